@@ -1,0 +1,155 @@
+"""The three ways to execute the same model.
+
+  gpu  CuPy owns the memory; every layer is a Numba @cuda.jit kernel launched on a CuPy stream
+       (numba.cuda.external_stream), so CuPy (cuBLAS, NCCL) and Numba share one ordered stream.
+  cpu  the NumPy reference of every layer, in float32 or float64.
+  sim  the same Numba kernels as `gpu`, run by Numba's CUDA simulator on NumPy arrays
+       (NUMBA_ENABLE_CUDASIM=1, which must be set before numba is first imported).
+
+Layer code never asks which one it runs on: it calls `dev.launch(kernel, grid, block, *args)` or, when
+`dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on cpu and sim they
+are no-ops because everything already runs in program order.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+KINDS = ("auto", "gpu", "cpu", "sim")
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device (never imports numba)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def resolve(kind: str) -> str:
+    """Turn 'auto' into 'gpu' or 'cpu'; prepare the simulator for 'sim'. Call before importing numba."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown device {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "auto":
+        kind = "gpu" if gpu_available() else "cpu"
+    if kind == "sim":
+        if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+            raise RuntimeError("--device sim must be chosen before numba is imported")
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    if kind == "gpu" and not gpu_available():
+        raise RuntimeError("--device gpu: no CUDA GPU visible to CuPy (install llmz[gpu], or use --device cpu)")
+    return kind
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class _NoStream:
+    """cpu / sim: work runs in program order, so a stream is just a name."""
+    def __init__(self, name: str):
+        self.name = name
+        self.numba = 0          # the simulator accepts stream 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NoEvent:
+    def record(self, stream) -> None:
+        pass
+
+    def wait(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _GpuStream:
+    """A CuPy stream plus the Numba handle for the same CUDA stream (made once: wrapping costs time)."""
+    def __init__(self, name: str):
+        import cupy
+        from numba import cuda
+        self.name = name
+        self.cupy = cupy.cuda.Stream(non_blocking=True)
+        self.numba = cuda.external_stream(self.cupy.ptr)
+
+    def synchronize(self) -> None:
+        self.cupy.synchronize()
+
+
+class _GpuEvent:
+    """record(stream) marks a point in `stream`; wait(other) makes `other` wait for it on the device."""
+    def __init__(self, timing: bool = False):
+        import cupy
+        self.cupy = cupy.cuda.Event(disable_timing=not timing)
+
+    def record(self, stream) -> None:
+        self.cupy.record(stream.cupy)
+
+    def wait(self, stream) -> None:
+        stream.cupy.wait_event(self.cupy)
+
+    def synchronize(self) -> None:
+        self.cupy.synchronize()
+
+
+class Device:
+    """Where arrays live and how kernels launch. `dtype` is the compute dtype of parameters/activations."""
+
+    def __init__(self, kind: str = "cpu", dtype=np.float32, gpu_index: int = 0):
+        self.kind = resolve(kind)
+        self.dtype = np.dtype(dtype)
+        self.kernels = self.kind in ("gpu", "sim")       # False: run the NumPy references
+        # threads per block for 1-D kernels: the simulator runs each thread as a Python thread, keep it small
+        self.block_size = 32 if self.kind == "sim" else 256
+        if self.kind == "gpu":
+            import cupy
+            cupy.cuda.Device(gpu_index).use()
+            self.xp = cupy
+            self.compute_stream = _GpuStream("compute")
+            self.comm_stream = _GpuStream("comm")
+        else:
+            self.xp = np
+            self.compute_stream = _NoStream("compute")
+            self.comm_stream = _NoStream("comm")
+        self.gpu_index = gpu_index
+
+    # ---- memory -------------------------------------------------------------------------------
+    def zeros(self, shape, dtype=None):
+        return self.xp.zeros(shape, dtype=dtype or self.dtype)
+
+    def empty(self, shape, dtype=None):
+        return self.xp.empty(shape, dtype=dtype or self.dtype)
+
+    def asarray(self, a, dtype=None):
+        """Host (NumPy) array -> an array on this device (a copy)."""
+        a = np.ascontiguousarray(a, dtype=dtype)
+        return self.xp.asarray(a) if self.kind == "gpu" else a.copy()
+
+    def to_host(self, a) -> np.ndarray:
+        if self.kind == "gpu":
+            return a.get(stream=self.compute_stream.cupy) if hasattr(a, "get") else np.asarray(a)
+        return np.asarray(a)
+
+    # ---- execution ----------------------------------------------------------------------------
+    def launch(self, kernel, grid, block, *args, stream=None, shared: int = 0) -> None:
+        """kernel[grid, block, stream, shared](*args) on the compute stream (or `stream`)."""
+        s = (stream or self.compute_stream).numba
+        kernel[grid, block, s, shared](*args)
+
+    def event(self, timing: bool = False):
+        return _GpuEvent(timing) if self.kind == "gpu" else _NoEvent()
+
+    def synchronize(self) -> None:
+        self.compute_stream.synchronize()
+        self.comm_stream.synchronize()
+
+    def __repr__(self) -> str:
+        return f"Device({self.kind}, {self.dtype})"

@@ -1,0 +1,65 @@
+"""GELU, the tanh approximation GPT-2 uses:
+
+    gelu(x) = 0.5 x (1 + tanh(s (x + 0.044715 x^3))),   s = sqrt(2/pi)
+    gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) s (1 + 3 * 0.044715 x^2),   u = s (x + 0.044715 x^3)
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..device import ceil_div
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+
+
+# ---- NumPy reference ----------------------------------------------------------------------------
+def gelu_forward_ref(out, inp):
+    """out, inp: any shape, same size. Overwrites out."""
+    x = inp
+    out[...] = 0.5 * x * (1.0 + np.tanh(GELU_SCALE * (x + 0.044715 * x**3)))
+
+
+def gelu_backward_ref(dinp, inp, dout):
+    """dinp += gelu'(inp) * dout. Accumulates into dinp."""
+    x = inp
+    u = GELU_SCALE * (x + 0.044715 * x**3)
+    t = np.tanh(u)
+    local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+    dinp += local * dout
+
+
+# ---- Numba kernels: one thread per element ------------------------------------------------------
+@cuda.jit
+def gelu_forward_kernel(out, inp, n):
+    i = cuda.grid(1)
+    if i < n:
+        x = inp[i]
+        out[i] = 0.5 * x * (1.0 + math.tanh(GELU_SCALE * (x + 0.044715 * x * x * x)))
+
+
+@cuda.jit
+def gelu_backward_kernel(dinp, inp, dout, n):
+    i = cuda.grid(1)
+    if i < n:
+        x = inp[i]
+        t = math.tanh(GELU_SCALE * (x + 0.044715 * x * x * x))
+        local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+        dinp[i] += local * dout[i]
+
+
+# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+def gelu_forward(dev, out, inp):
+    if not dev.kernels:
+        return gelu_forward_ref(out, inp)
+    n = inp.size
+    dev.launch(gelu_forward_kernel, ceil_div(n, dev.block_size), dev.block_size,
+               out.reshape(-1), inp.reshape(-1), n)
+
+
+def gelu_backward(dev, dinp, inp, dout):
+    if not dev.kernels:
+        return gelu_backward_ref(dinp, inp, dout)
+    n = inp.size
+    dev.launch(gelu_backward_kernel, ceil_div(n, dev.block_size), dev.block_size,
+               dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1), n)

@@ -1,0 +1,42 @@
+"""Test setup. Without a GPU the Numba kernels run in the CUDA simulator, which must be switched on
+before numba is first imported, so this happens here, at collection time."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from llmz.device import gpu_available  # noqa: E402  (imports no numba)
+
+HAVE_GPU = gpu_available()
+if not HAVE_GPU:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy sees none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs for every test (seeded per test name so a failure reproduces)."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+@pytest.fixture(scope="session")
+def kdev():
+    """The device that runs the Numba kernels: the simulator on CI, the real GPU where there is one."""
+    from llmz.device import Device
+    return Device("gpu" if HAVE_GPU else "sim", np.float32)
+
+
+@pytest.fixture(scope="session")
+def cpu64():
+    from llmz.device import Device
+    return Device("cpu", np.float64)

@@ -1,0 +1,40 @@
+"""Shared test helpers: poisoned outputs, relative errors, central finite differences."""
+import numpy as np
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b||, in float64; NaN anywhere makes it NaN, which fails every `<=` check."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def poisoned(dev, shape, dtype=None):
+    """An output buffer on `dev` filled with NaN, so an element the kernel never writes fails the test."""
+    x = dev.empty(shape, dtype=dtype)
+    x[...] = np.nan
+    return x
+
+
+def host(dev, a):
+    return dev.to_host(a)
+
+
+def finite_diff(f, x: np.ndarray, dout: np.ndarray, eps: float = 1e-6, max_checks: int | None = None,
+                rng=None) -> tuple[np.ndarray, np.ndarray]:
+    """Central differences of L(x) = sum(f(x) * dout) with respect to x (float64).
+    Returns (indices checked, derivative at those indices). f must return a new array."""
+    flat = x.reshape(-1)
+    idx = np.arange(flat.size)
+    if max_checks is not None and flat.size > max_checks:
+        idx = (rng or np.random.default_rng(0)).choice(flat.size, max_checks, replace=False)
+    g = np.empty(idx.size)
+    for k, i in enumerate(idx):
+        old = flat[i]
+        flat[i] = old + eps
+        lp = np.sum(f(x) * dout)
+        flat[i] = old - eps
+        lm = np.sum(f(x) * dout)
+        flat[i] = old
+        g[k] = (lp - lm) / (2 * eps)
+    return idx, g
