@@ -1,0 +1,111 @@
+"""LayerNorm: the kernels against the NumPy reference, the reference against finite differences."""
+import numpy as np
+import pytest
+
+from helpers import finite_diff, poisoned, rel_err
+from llmz.kernels.layernorm import (
+    layernorm_backward,
+    layernorm_backward_ref,
+    layernorm_forward,
+    layernorm_forward_ref,
+)
+
+
+def make_inputs(rng, shape):
+    """inp with a non-zero mean and non-unit spread per row; weight around 1, bias around 0."""
+    C = shape[-1]
+    inp = rng.normal(size=shape) * rng.uniform(0.5, 3.0, size=shape[:-1] + (1,)) + rng.normal(size=shape[:-1] + (1,))
+    return inp, 1.0 + 0.3 * rng.normal(size=C), 0.3 * rng.normal(size=C)
+
+
+def forward64(inp, weight, bias):
+    """The float64 reference forward: (out, mean, rstd)."""
+    out = np.empty_like(inp)
+    mean = np.empty(inp.shape[:-1])
+    rstd = np.empty(inp.shape[:-1])
+    layernorm_forward_ref(out, mean, rstd, inp, weight, bias)
+    return out, mean, rstd
+
+
+# (2,3,20): C below the simulator's 32-thread block; (5,45): 2-D rows, C not a multiple of the block
+@pytest.mark.parametrize("shape", [(2, 3, 20), (5, 45)])
+def test_layernorm_forward_kernel_matches_reference(kdev, rng, shape):
+    inp, weight, bias = (a.astype(np.float32) for a in make_inputs(rng, shape))
+    out = poisoned(kdev, shape)
+    mean = poisoned(kdev, shape[:-1])
+    rstd = poisoned(kdev, shape[:-1])
+    layernorm_forward(kdev, out, mean, rstd, kdev.asarray(inp), kdev.asarray(weight), kdev.asarray(bias))
+    ref = forward64(inp.astype(np.float64), weight.astype(np.float64), bias.astype(np.float64))
+    # the kernel sums in float64; what is left is the float32 rounding of inputs' products and of the stores
+    for got, want in zip((out, mean, rstd), ref):
+        assert rel_err(kdev.to_host(got), want) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 20), (5, 45)])
+def test_layernorm_backward_kernel_matches_reference_and_accumulates(kdev, rng, shape):
+    C = shape[-1]
+    inp, weight, bias = make_inputs(rng, shape)
+    _, mean, rstd = forward64(inp, weight, bias)
+    dout = rng.normal(size=shape)
+    # backward accumulates: start every gradient from random non-zero values
+    dinp0, dweight0, dbias0 = rng.normal(size=shape), rng.normal(size=C), rng.normal(size=C)
+    # both sides see the same float32-representable inputs
+    inp, weight, mean, rstd, dout = (a.astype(np.float32) for a in (inp, weight, mean, rstd, dout))
+    dinp = kdev.asarray(dinp0, np.float32)
+    dweight = kdev.asarray(dweight0, np.float32)
+    dbias = kdev.asarray(dbias0, np.float32)
+    layernorm_backward(kdev, dinp, dweight, dbias, kdev.asarray(dout), kdev.asarray(inp), kdev.asarray(weight),
+                       kdev.asarray(mean), kdev.asarray(rstd))
+    ref = [dinp0.copy(), dweight0.copy(), dbias0.copy()]
+    layernorm_backward_ref(*ref, *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
+    # float64 sums in the kernel; float32 products (weight*dout, norm) and stores: a few ulps per element
+    for got, want in zip((dinp, dweight, dbias), ref):
+        assert rel_err(kdev.to_host(got), want) < 1e-6
+
+
+def test_layernorm_reference_backward_matches_finite_differences(rng):
+    shape = (2, 3, 20)
+    inp, weight, bias = make_inputs(rng, shape)
+    dout = rng.normal(size=shape)
+    _, mean, rstd = forward64(inp, weight, bias)
+    dinp, dweight, dbias = np.zeros(shape), np.zeros(20), np.zeros(20)
+    layernorm_backward_ref(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+    # out as a function of each input in turn (mean and rstd are recomputed, so they carry gradient too)
+    checks = [(inp, dinp, lambda x: forward64(x, weight, bias)[0]),
+              (weight, dweight, lambda w: forward64(inp, w, bias)[0]),
+              (bias, dbias, lambda b: forward64(inp, weight, b)[0])]
+    for x, grad, f in checks:
+        idx, g = finite_diff(f, x, dout)
+        assert rel_err(grad.reshape(-1)[idx], g) <= 1e-6
+
+
+def test_layernorm_reference_accepts_2d_rows_like_3d(rng):
+    inp, weight, bias = make_inputs(rng, (2, 3, 20))
+    out3, mean3, rstd3 = forward64(inp, weight, bias)
+    out2, mean2, rstd2 = forward64(inp.reshape(6, 20), weight, bias)
+    np.testing.assert_array_equal(out2, out3.reshape(6, 20))
+    np.testing.assert_array_equal(mean2, mean3.reshape(6))
+    np.testing.assert_array_equal(rstd2, rstd3.reshape(6))
+
+
+@pytest.mark.gpu
+def test_layernorm_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
+    B, T, C = 4, 1024, 768
+    inp, weight, bias = (a.astype(np.float32) for a in make_inputs(rng, (B, T, C)))
+    dout = rng.normal(size=(B, T, C)).astype(np.float32)
+    out, mean, rstd = poisoned(kdev, (B, T, C)), poisoned(kdev, (B, T)), poisoned(kdev, (B, T))
+    layernorm_forward(kdev, out, mean, rstd, kdev.asarray(inp), kdev.asarray(weight), kdev.asarray(bias))
+    ref = forward64(inp.astype(np.float64), weight.astype(np.float64), bias.astype(np.float64))
+    errs = {name: rel_err(kdev.to_host(a), r) for name, a, r in zip(("out", "mean", "rstd"), (out, mean, rstd), ref)}
+    # backward from zero gradients, on the kernel's own float32 mean and rstd
+    mean_h, rstd_h = kdev.to_host(mean), kdev.to_host(rstd)
+    dinp, dweight, dbias = kdev.zeros((B, T, C)), kdev.zeros(C), kdev.zeros(C)
+    layernorm_backward(kdev, dinp, dweight, dbias, kdev.asarray(dout), kdev.asarray(inp), kdev.asarray(weight),
+                       mean, rstd)
+    want = [np.zeros((B, T, C)), np.zeros(C), np.zeros(C)]
+    layernorm_backward_ref(*want, *(a.astype(np.float64) for a in (dout, inp, weight, mean_h, rstd_h)))
+    errs.update({name: rel_err(kdev.to_host(a), r)
+                 for name, a, r in zip(("dinp", "dweight", "dbias"), (dinp, dweight, dbias), want)})
+    print(f"layernorm B={B} T={T} C={C}: worst relative error {max(errs.values()):.2e} {errs}")
+    # float32 storage, float64 sums (4096 rows for dweight, dbias): well inside 1e-5
+    assert max(errs.values()) < 1e-5

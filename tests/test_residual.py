@@ -1,0 +1,70 @@
+"""Residual: the kernels against the NumPy reference, the reference against finite differences."""
+import numpy as np
+import pytest
+
+from helpers import finite_diff, poisoned, rel_err
+from llmz.kernels.residual import (
+    residual_backward,
+    residual_backward_ref,
+    residual_forward,
+    residual_forward_ref,
+)
+
+SHAPE = (2, 3, 20)      # 120 elements: not a multiple of the block
+
+
+def test_residual_forward_kernel_matches_reference(kdev, rng):
+    a = rng.normal(size=SHAPE).astype(np.float32)
+    b = rng.normal(size=SHAPE).astype(np.float32)
+    out = poisoned(kdev, SHAPE)
+    residual_forward(kdev, out, kdev.asarray(a), kdev.asarray(b))
+    ref = np.empty(SHAPE, np.float32)
+    residual_forward_ref(ref, a, b)
+    # one correctly rounded float32 add per element: bit-exact against the float32 reference
+    np.testing.assert_array_equal(kdev.to_host(out), ref)
+
+
+def test_residual_backward_kernel_matches_reference_and_accumulates(kdev, rng):
+    dout = rng.normal(size=SHAPE).astype(np.float32)
+    # backward accumulates: start from random non-zero values
+    start1 = rng.normal(size=SHAPE).astype(np.float32)
+    start2 = rng.normal(size=SHAPE).astype(np.float32)
+    dinp1, dinp2 = kdev.asarray(start1), kdev.asarray(start2)
+    residual_backward(kdev, dinp1, dinp2, kdev.asarray(dout))
+    ref1, ref2 = start1.copy(), start2.copy()
+    residual_backward_ref(ref1, ref2, dout)
+    # one float32 add per element: bit-exact against the float32 reference
+    np.testing.assert_array_equal(kdev.to_host(dinp1), ref1)
+    np.testing.assert_array_equal(kdev.to_host(dinp2), ref2)
+
+
+def test_residual_reference_backward_matches_finite_differences(rng):
+    a, b, dout = (rng.normal(size=(4, 6)) for _ in range(3))
+
+    def f(a, b):
+        out = np.empty_like(a)
+        residual_forward_ref(out, a, b)
+        return out
+    da, db = np.zeros_like(a), np.zeros_like(b)
+    residual_backward_ref(da, db, dout)
+    idx, g = finite_diff(lambda x: f(x, b), a, dout)
+    assert rel_err(da.reshape(-1)[idx], g) <= 1e-6
+    idx, g = finite_diff(lambda x: f(a, x), b, dout)
+    assert rel_err(db.reshape(-1)[idx], g) <= 1e-6
+
+
+@pytest.mark.gpu
+def test_residual_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
+    shape = (4, 1024, 768)
+    a, b, dout, start = (rng.normal(size=shape).astype(np.float32) for _ in range(4))
+    out = poisoned(kdev, shape)
+    residual_forward(kdev, out, kdev.asarray(a), kdev.asarray(b))
+    dinp1, dinp2 = kdev.asarray(start), kdev.asarray(start)
+    residual_backward(kdev, dinp1, dinp2, kdev.asarray(dout))
+    want_out = a.astype(np.float64) + b
+    want_d = start.astype(np.float64) + dout
+    errs = {"out": rel_err(kdev.to_host(out), want_out),
+            "dinp1": rel_err(kdev.to_host(dinp1), want_d), "dinp2": rel_err(kdev.to_host(dinp2), want_d)}
+    print(f"residual {shape}: worst relative error {max(errs.values()):.2e} {errs}")
+    # one float32 rounding per element
+    assert max(errs.values()) < 1e-6
