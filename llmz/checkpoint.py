@@ -1,0 +1,102 @@
+"""llm.c model files: GPT-2's parameters in llm.c's tensor order, in fp32 or bf16.
+
+Model file: a header of 256 int32 ([0]=20240326 magic, [1]=3 for fp32 or 5 for bf16, [2]=max_seq_len,
+[3]=vocab_size, [4]=num_layers, [5]=num_heads, [6]=channels, [7]=padded_vocab_size), then every
+parameter tensor by tensor in llm.c's order (Layout.llmc_order): wte (Vp, C) with rows >= V zero, wpe,
+then each per-layer tensor for all layers together, ..., lnfw, lnfb. Weights are (out, in).
+
+Models live in memory in llmz's bucket layout (llmz.layout); `Layout.to_llmc` / `Layout.from_llmc`
+convert between that and the file's order.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .config import GPT2Config
+from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size
+from .errors import LlmzError
+from .layout import Layout
+
+MODEL_MAGIC = 20240326
+MODEL_VERSIONS = {3: "fp32", 5: "bf16"}
+VERSION_OF = {"fp32": 3, "bf16": 5}
+
+
+# ---- bfloat16 on the host ----------------------------------------------------------------------------------
+def f32_to_bf16(x) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): the upper 16 bits, rounded to nearest, ties to even.
+    NaN stays NaN (quiet, sign kept); values beyond bf16's range round to +-inf, as IEEE rounding does."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    # add 0x7FFF plus the lowest kept bit, then truncate: round half to even on the dropped 16 bits
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    # NaN: keep the sign and the top mantissa bits, force the quiet bit so it cannot round to inf
+    nan = (bits >> 16) | 0x0040
+    return np.where(np.isnan(x), nan, rounded).astype(np.uint16)
+
+
+def bf16_to_f32(b) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly (bf16 is float32 with the low 16 bits zero)."""
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# ---- model files ---------------------------------------------------------------------------------------------
+def save_model(path: str, config: GPT2Config, params_flat: np.ndarray, layout: Layout,
+               dtype: str = "fp32") -> None:
+    """Write the parameters (a full flat host buffer in `layout`'s bucket order) as an llm.c model file,
+    atomically. dtype 'fp32' (version 3) or 'bf16' (version 5, round to nearest even)."""
+    if dtype not in VERSION_OF:
+        raise LlmzError(f"{path}: unknown model dtype {dtype!r}; choose fp32 or bf16")
+    if layout.config != config:
+        raise LlmzError(f"{path}: the layout is for {layout.config}, not {config}")
+    params_flat = np.asarray(params_flat)
+    if params_flat.shape != (layout.total,):
+        raise LlmzError(f"{path}: parameter buffer has shape {params_flat.shape}, the layout needs ({layout.total},)")
+    c = config
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:8] = (MODEL_MAGIC, VERSION_OF[dtype], c.max_seq_len, c.vocab_size, c.num_layers,
+                  c.num_heads, c.channels, c.padded_vocab_size)
+    llmc = layout.to_llmc(params_flat).astype(np.float32)
+    body = llmc.astype("<f4") if dtype == "fp32" else f32_to_bf16(llmc).astype("<u2")
+    atomic_write(path, [header, body])
+
+
+def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
+    """Read an llm.c model file -> (config, parameters as float32 in llm.c's order). Padded wte rows are
+    kept as read. Use `Layout(config, world_size).from_llmc(...)` (or load_model_flat) for llmz's layout."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise LlmzError(f"{path}: no such model file") from None
+    except OSError as e:
+        raise LlmzError(f"{path}: cannot read model file ({e.strerror or e})") from None
+    header = check_header(path, raw, MODEL_MAGIC, "an llm.c model file")
+    version = int(header[1])
+    if version not in MODEL_VERSIONS:
+        raise LlmzError(f"{path}: unsupported version {version} (expected 3 = fp32 or 5 = bf16)")
+    maxT, V, L, NH, C, Vp = (int(v) for v in header[2:8])
+    try:
+        config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L,
+                            num_heads=NH, channels=C)
+    except ValueError as e:
+        raise LlmzError(f"{path}: bad model header: {e}") from None
+    itemsize = 4 if version == 3 else 2
+    nparams = config.num_parameters()
+    check_size(path, size, HEADER_BYTES + itemsize * nparams,
+               f"a {MODEL_VERSIONS[version]} model with L={L} C={C} NH={NH} V={V} Vp={Vp} maxT={maxT}")
+    if version == 3:
+        params = np.fromfile(path, dtype="<f4", count=nparams, offset=HEADER_BYTES).astype(np.float32)
+    else:
+        params = bf16_to_f32(np.fromfile(path, dtype="<u2", count=nparams, offset=HEADER_BYTES))
+    return config, params
+
+
+def load_model_flat(path: str, world_size: int = 1, dtype=np.float32) -> tuple[GPT2Config, Layout, np.ndarray]:
+    """load_model, then into llmz's bucket layout for `world_size` ranks: (config, layout, flat buffer)."""
+    config, llmc = load_model(path)
+    layout = Layout(config, world_size)
+    return config, layout, layout.from_llmc(llmc, dtype=dtype)

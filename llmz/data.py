@@ -1,0 +1,216 @@
+"""llm.c token files and the data loader that cuts them into (B, T) batches, exactly as llm.c does.
+
+Token file: a header of 256 int32 ([0]=20240520 magic, [1]=1 version, [2]=number of tokens), then the
+tokens as uint16; its size is exactly 1024 + 2 * ntok bytes.
+
+Every file llmz writes goes through `atomic_write`: the bytes go to a temporary name in the same folder,
+which replaces the final name only once complete, so a crash never leaves a half-written file behind.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import LlmzError
+
+HEADER_INTS = 256                 # every llm.c header is 256 x 4 bytes
+HEADER_BYTES = 4 * HEADER_INTS
+TOKENS_MAGIC = 20240520
+TOKENS_VERSION = 1
+# Magic numbers of llm.c's files, to tell a user which file they passed instead of the right one.
+KNOWN_MAGICS = {20240326: "an llm.c model file", 20240328: "an llm.c tokenizer file",
+                20240520: "an llm.c token file", 20240527: "an llm.c training-state file"}
+
+
+# ---- writing and reading whole files ------------------------------------------------------------------
+def _write_part(f, part) -> None:
+    """Write one piece (bytes or a contiguous array) to an open binary file."""
+    f.write(memoryview(np.ascontiguousarray(part)).cast("B") if isinstance(part, np.ndarray) else part)
+
+
+def atomic_write(path: str, parts: Sequence) -> None:
+    """Write `parts` (bytes / arrays, in order) to `path` through a temporary file and os.replace.
+    A failure leaves any previous file at `path` untouched and removes the temporary file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)   # mkstemp's file is private (0600): give it the usual mode
+            for part in parts:
+                _write_part(f, part)
+            f.flush()
+            os.fsync(f.fileno())        # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise
+
+
+def read_file(path: str, what: str) -> bytes:
+    """The whole file, or a one-line LlmzError naming it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise LlmzError(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise LlmzError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+
+
+def check_header(path: str, raw: bytes, magic: int, what: str, dtype: str = "<i4") -> np.ndarray:
+    """The 256-entry header of `raw`, after checking the file is long enough and the magic number."""
+    if len(raw) < HEADER_BYTES:
+        raise LlmzError(f"{path}: truncated: {len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype=dtype, count=HEADER_INTS)
+    if int(header[0]) != magic:
+        found = int(header[0])
+        hint = f"this is {KNOWN_MAGICS[found]}" if found in KNOWN_MAGICS else f"not {what}"
+        raise LlmzError(f"{path}: bad magic {found} (expected {magic}; {hint})")
+    return header
+
+
+def check_size(path: str, actual: int, expected: int, detail: str) -> None:
+    """One line for a file whose size does not match what its header promises."""
+    if actual < expected:
+        raise LlmzError(f"{path}: truncated: {actual} bytes, {detail} needs {expected}")
+    if actual > expected:
+        raise LlmzError(f"{path}: wrong size: {actual} bytes, {detail} needs {expected} "
+                        f"({actual - expected} extra bytes)")
+
+
+# ---- token files ------------------------------------------------------------------------------------------
+def write_tokens(path: str, tokens) -> None:
+    """Write an llm.c token file (uint16 tokens) atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise LlmzError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
+        raise LlmzError(f"{path}: tokens must lie in 0..65535 to fit uint16, got {tokens.min()}..{tokens.max()}")
+    if tokens.size >= 2**31:
+        raise LlmzError(f"{path}: {tokens.size} tokens do not fit one file (int32 count); split them")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = TOKENS_MAGIC, TOKENS_VERSION, tokens.size
+    atomic_write(path, [header, tokens.astype("<u2")])
+
+
+def read_tokens(path: str, vocab_size: int | None = None) -> np.ndarray:
+    """Read an llm.c token file -> uint16 array, checking magic, version, count, exact size and
+    (if vocab_size is given) that every token is < vocab_size."""
+    raw = read_file(path, "token file")
+    header = check_header(path, raw, TOKENS_MAGIC, "an llm.c token file")
+    version, ntok = int(header[1]), int(header[2])
+    if version != TOKENS_VERSION:
+        raise LlmzError(f"{path}: unsupported version {version} (expected {TOKENS_VERSION})")
+    if ntok < 0:
+        raise LlmzError(f"{path}: bad token count {ntok} in the header")
+    check_size(path, len(raw), HEADER_BYTES + 2 * ntok, f"a header announcing {ntok} tokens")
+    tokens = np.frombuffer(raw, dtype="<u2", offset=HEADER_BYTES, count=ntok).astype(np.uint16)
+    if vocab_size is not None and ntok:
+        bad = np.flatnonzero(tokens >= vocab_size)
+        if bad.size:
+            i = int(bad[0])
+            raise LlmzError(f"{path}: token {tokens[i]} at position {i} is >= vocab size {vocab_size} "
+                            f"({bad.size} such tokens; tokenized for another vocabulary?)")
+    return tokens
+
+
+# ---- the data loader --------------------------------------------------------------------------------------
+class DataLoader:
+    """Batches (x, y) of shape (B, T), int32, from llm.c token files, sharded across ranks as in llm.c.
+
+    `pattern_or_paths` is a glob (expanded and sorted) or a list of paths. Unlike llm.c, which walks its
+    shards one after another, the tokens of all files are concatenated into ONE stream (the files are
+    small here), so a batch may span two files. Over that stream of N tokens there are
+    n = (N - 1) // (P*B*T) batch positions; micro-batch i of rank r (of P) reads the B*T+1 tokens at
+
+        offset = (i mod n) * P*B*T + r * B*T          (shuffle: perm_epoch[i mod n] in place of i mod n)
+
+    x = those tokens[:-1], y = tokens[1:] (the next token of each). So the P ranks together read exactly
+    the tokens a single rank would read with batch P*B: data parallelism equals a bigger batch.
+    With shuffle=True the n positions are visited in a permutation drawn per epoch from
+    default_rng([seed, epoch]), the same on every rank.
+    """
+
+    def __init__(self, pattern_or_paths: str | Sequence[str], B: int, T: int, rank: int = 0,
+                 world_size: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None):
+        if B <= 0 or T <= 0:
+            raise LlmzError(f"batch size B={B} and sequence length T={T} must be positive")
+        if not 0 <= rank < world_size:
+            raise LlmzError(f"rank {rank} is outside a world of size {world_size}")
+        if isinstance(pattern_or_paths, str):
+            self.files = sorted(glob.glob(pattern_or_paths))
+            if not self.files:
+                raise LlmzError(f"{pattern_or_paths}: no file matches")
+        else:
+            self.files = list(pattern_or_paths)
+            if not self.files:
+                raise LlmzError("no token files given")
+        parts = [read_tokens(p, vocab_size) for p in self.files]
+        self.tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        self.shuffle, self.seed = shuffle, seed
+        self.stride = world_size * B * T                         # tokens all ranks consume per micro-batch
+        self.num_batches = (self.tokens.size - 1) // self.stride  # n
+        if self.num_batches == 0:
+            names = ", ".join(self.files)
+            raise LlmzError(f"{names}: {self.tokens.size} tokens cannot fill one batch of "
+                            f"world_size*B*T+1 = {world_size}*{B}*{T}+1 = {self.stride + 1} tokens")
+        self._perm_epoch, self._perm = -1, None
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the first micro-batch of epoch 0."""
+        self.position = 0                                       # micro-batches consumed so far
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.num_batches
+
+    def batch_index(self, i: int) -> int:
+        """Which of the n batch positions micro-batch i reads."""
+        j = i % self.num_batches
+        if not self.shuffle:
+            return j
+        epoch = i // self.num_batches
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_batches)
+            self._perm_epoch = epoch
+        return int(self._perm[j])
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next (x, y), each a new (B, T) int32 array; wraps around after n micro-batches."""
+        B, T = self.B, self.T
+        start = self.batch_index(self.position) * self.stride + self.rank * B * T
+        buf = self.tokens[start:start + B * T + 1].astype(np.int32)
+        self.position += 1
+        # inputs are the first B*T tokens, targets the same shifted by one
+        return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
+
+    def state(self) -> dict:
+        """Everything needed to continue exactly where this loader is (the same on every rank)."""
+        return {"position": self.position, "epoch": self.epoch, "num_batches": self.num_batches,
+                "num_tokens": int(self.tokens.size), "B": self.B, "T": self.T,
+                "world_size": self.world_size, "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()` of a loader over the same data with the same B, T, world size."""
+        mine = self.state()
+        keys = ("num_tokens", "B", "T", "world_size", "shuffle", "seed")
+        diff = [f"{k}={state.get(k)} (here {mine[k]})" for k in keys if state.get(k) != mine[k]]
+        if diff:
+            raise LlmzError(f"data loader state does not match this data/batch: {', '.join(diff)}")
+        self.position = int(state["position"])
