@@ -133,6 +133,21 @@ class Device:
         a = np.ascontiguousarray(a, dtype=dtype)
         return self.xp.asarray(a) if self.kind == "gpu" else a.copy()
 
+    def copy_from_host(self, dst, src: np.ndarray) -> None:
+        """dst (on this device) <- src (NumPy), ordered on the compute stream."""
+        if self.kind == "gpu":
+            dst.set(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.compute_stream.cupy)
+        else:
+            dst[...] = src
+
+    def copy(self, dst, src) -> None:
+        """Device-to-device copy on the compute stream."""
+        if self.kind == "gpu":
+            with self.compute_stream.cupy:
+                self.xp.copyto(dst, src)
+        else:
+            dst[...] = src
+
     def to_host(self, a) -> np.ndarray:
         if self.kind == "gpu":
             return a.get(stream=self.compute_stream.cupy) if hasattr(a, "get") else np.asarray(a)

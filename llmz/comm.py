@@ -1,0 +1,356 @@
+"""Collectives between ranks: all-reduce, reduce-scatter, all-gather, broadcast, barrier.
+
+One interface, three backends (`make_communicator` picks one):
+  nccl   GPU buffers; NCCL kernels enqueued on dev.comm_stream through CuPy's raw NCCL communicator.
+         Asynchronous: the CALLER orders them against compute with events (record an event on the compute
+         stream after the kernels that write the buffer, make the comm stream wait on it, and the reverse
+         before compute touches the buffer again). Nothing here synchronises the host.
+  mpi    mpi4py on host memory. NumPy buffers (cpu, sim) go to MPI directly. CuPy buffers are staged:
+         synchronise the whole device, copy to the host, MPI, copy back, synchronise again. That round trip
+         through the host, which stalls both streams, is exactly the cost NCCL exists to remove.
+  local  one rank: every collective is the identity (a sum or an average over one rank), so a single
+         process needs no MPI at run time. Calls are still counted.
+
+In place, with NCCL's layout (N ranks, buf flat and contiguous):
+  all_reduce(buf, op)      every rank ends with the sum (op="sum") or the average (op="avg") of all bufs
+  reduce_scatter(buf, op)  buf holds N slices of n = buf.size / N; rank r's reduced slice lands at
+                           buf[r*n:(r+1)*n]; the rest of buf is undefined afterwards
+  all_gather(buf)          rank r's input is buf[r*n:(r+1)*n]; afterwards buf holds every rank's slice
+  broadcast(buf, root)     every rank ends with root's buf
+Every rank ends an all-reduce with the SAME BITS (ZeRO needs identical parameters on all ranks): each
+element is reduced once, by the rank that owns it (a reduce-scatter), and then copied (an all-gather).
+The average is that sum divided by N (NCCL: its NCCL_AVG, which multiplies by 1/N; exact when N is a power
+of two). bf16 buffers (ml_dtypes.bfloat16, or uint16 holding bf16 bits) reduce as bf16.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from llmz.errors import LlmzError
+from llmz.launch import RankInfo
+
+COMM_KINDS = ("auto", "nccl", "mpi")
+OPS = ("sum", "avg")
+
+# NCCL's enums (nccl.h): ncclDataType_t and ncclRedOp_t
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 7, 8, 9
+NCCL_SUM, NCCL_AVG = 0, 4
+NCCL_OPS = {"sum": NCCL_SUM, "avg": NCCL_AVG}
+
+
+def is_bf16(dtype) -> bool:
+    """bf16 arrives as ml_dtypes.bfloat16 or as uint16 holding its bits (Numba cannot type bf16)."""
+    dtype = np.dtype(dtype)
+    return dtype == np.uint16 or dtype.name == "bfloat16"
+
+
+def nccl_dtype(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return NCCL_FLOAT32
+    if dtype == np.float64:
+        return NCCL_FLOAT64
+    if is_bf16(dtype):
+        return NCCL_BFLOAT16
+    raise ValueError(f"no NCCL reduction for dtype {dtype}")
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bits -> float32 (exact: bf16 is the top half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> uint16 bf16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
+    u = x.view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def split_counts(size: int, n: int) -> tuple[list[int], list[int]]:
+    """Cut `size` elements into n nearly equal pieces (the first size % n get one more): counts, offsets."""
+    counts = [size // n + (1 if i < size % n else 0) for i in range(n)]
+    displs = [sum(counts[:i]) for i in range(n)]
+    return counts, displs
+
+
+class Communicator:
+    """The interface, with the accounting; the backends below implement the _underscore methods.
+
+    bytes_sent counts what THIS rank sends under the ring model, S = buf.nbytes (the full buffer), N ranks:
+      reduce-scatter  (N-1)/N * S    N-1 steps, each passing one S/N chunk to the next rank (and adding)
+      all-gather      (N-1)/N * S    the same N-1 steps, copying instead of adding
+      all-reduce     2(N-1)/N * S    a reduce-scatter followed by an all-gather
+      broadcast       (N-1)/N * S    a pipelined chain: N-1 ranks forward S each, averaged over the N ranks
+    Backends choose other algorithms (trees, recursive halving; MPI reduces bf16 as float32); the model
+    is the ZeRO paper's count, so a stage's lesson can check "about 2 bytes per parameter per rank".
+    calls counts the calls per operation (a Counter keyed by method name).
+    """
+    name = "local"
+
+    def __init__(self, ranks: RankInfo):
+        self.rank = ranks.rank
+        self.world_size = ranks.world_size
+        self.bytes_sent = 0
+        self.calls: Counter[str] = Counter()
+
+    # ---- the interface --------------------------------------------------------------------------
+    def all_reduce(self, buf, op: str = "sum") -> None:
+        """In place: every rank ends with the sum / average of every rank's buf, the same bits on all."""
+        self._count("all_reduce", _flat_contiguous(buf), 2)
+        self._all_reduce(buf, _check_op(op))
+
+    def reduce_scatter(self, buf, op: str = "avg") -> None:
+        """In place: rank r's reduced slice at buf[r*n:(r+1)*n], n = buf.size / N; the rest undefined."""
+        self._count("reduce_scatter", self._divisible(buf), 1)
+        self._reduce_scatter(buf, _check_op(op))
+
+    def all_gather(self, buf) -> None:
+        """In place: rank r contributes buf[r*n:(r+1)*n]; every rank ends with all N slices."""
+        self._count("all_gather", self._divisible(buf), 1)
+        self._all_gather(buf)
+
+    def broadcast(self, buf, root: int = 0) -> None:
+        """In place: every rank ends with root's buf."""
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast root {root} outside 0..{self.world_size - 1}")
+        self._count("broadcast", _flat_contiguous(buf), 1)
+        self._broadcast(buf, root)
+
+    def barrier(self) -> None:
+        self.calls["barrier"] += 1
+        self._barrier()
+
+    def group(self):
+        """Context manager around several calls that the backend may fuse (NCCL group); a no-op elsewhere."""
+        return contextlib.nullcontext()
+
+    def reset_counters(self) -> None:
+        self.bytes_sent = 0
+        self.calls.clear()
+
+    def close(self) -> None:
+        pass
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def _count(self, what: str, nbytes: int, rounds: int) -> None:
+        n = self.world_size
+        self.calls[what] += 1
+        self.bytes_sent += rounds * (n - 1) * nbytes // n
+
+    def _divisible(self, buf) -> int:
+        nbytes = _flat_contiguous(buf)
+        if buf.size % self.world_size:
+            raise ValueError(f"buffer of {buf.size} elements does not split into {self.world_size} equal slices")
+        return nbytes
+
+    # ---- one rank: the identity ---------------------------------------------------------------------
+    def _all_reduce(self, buf, op: str) -> None:
+        pass
+
+    def _reduce_scatter(self, buf, op: str) -> None:
+        pass
+
+    def _all_gather(self, buf) -> None:
+        pass
+
+    def _broadcast(self, buf, root: int) -> None:
+        pass
+
+    def _barrier(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank {self.rank} of {self.world_size})"
+
+
+class LocalCommunicator(Communicator):
+    """World size 1: sum and average over one rank are the identity; nothing moves."""
+    name = "local"
+
+
+class MpiCommunicator(Communicator):
+    """mpi4py, synchronous on the host. CuPy buffers go through host copies (see the module docstring)."""
+    name = "mpi"
+
+    def __init__(self, ranks: RankInfo, dev):
+        from mpi4py import MPI
+        super().__init__(ranks)
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.dev = dev
+
+    @contextlib.contextmanager
+    def _on_host(self, buf, arith: bool):
+        """Yield a flat host array that MPI can work on; write it back into buf afterwards.
+        arith: the op adds, so bf16 is widened to float32 (MPI has no bf16 sum) and rounded back once."""
+        on_device = not isinstance(buf, np.ndarray)
+        if on_device:
+            import cupy
+            cupy.cuda.runtime.deviceSynchronize()   # every stream's writes to buf must be finished
+            host = cupy.asnumpy(buf)
+        else:
+            host = buf
+        flat = host.reshape(-1)
+        bf16 = is_bf16(flat.dtype)
+        if bf16:
+            flat = flat.view(np.uint16)
+        work = bf16_to_f32(flat) if bf16 and arith else flat
+        yield work
+        if bf16 and arith:
+            flat[...] = f32_to_bf16(work)
+        if on_device:
+            buf.set(host, stream=self.dev.comm_stream.cupy)
+            self.dev.comm_stream.synchronize()      # host memory must outlive the copy
+
+    def _reduce_scatter_host(self, h: np.ndarray, counts: list[int], displs: list[int], op: str) -> None:
+        """Sum (then average) rank r's piece of h into h[displs[r]:...]: computed once, by its owner."""
+        MPI, r = self.MPI, self.rank
+        self.world.Reduce_scatter(MPI.IN_PLACE, h, counts, MPI.SUM)    # MPI leaves r's piece at h[:counts[r]]
+        mine = h[:counts[r]]
+        if op == "avg":
+            mine /= self.world_size
+        h[displs[r]:displs[r] + counts[r]] = mine                       # move it to its own place
+
+    def _all_reduce(self, buf, op: str) -> None:
+        with self._on_host(buf, arith=True) as h:
+            counts, displs = split_counts(h.size, self.world_size)
+            self._reduce_scatter_host(h, counts, displs, op)
+            self.world.Allgatherv(self.MPI.IN_PLACE, [h, (counts, displs)])
+
+    def _reduce_scatter(self, buf, op: str) -> None:
+        with self._on_host(buf, arith=True) as h:
+            counts, displs = split_counts(h.size, self.world_size)
+            self._reduce_scatter_host(h, counts, displs, op)
+
+    def _all_gather(self, buf) -> None:
+        with self._on_host(buf, arith=False) as h:
+            counts, displs = split_counts(h.size, self.world_size)
+            self.world.Allgatherv(self.MPI.IN_PLACE, [h, (counts, displs)])
+
+    def _broadcast(self, buf, root: int) -> None:
+        with self._on_host(buf, arith=False) as h:
+            self.world.Bcast(h, root=root)
+
+    def _barrier(self) -> None:
+        self.world.Barrier()
+
+
+class NcclCommunicator(Communicator):
+    """NCCL through cupy.cuda.nccl, one GPU per rank, every call enqueued on dev.comm_stream."""
+    name = "nccl"
+
+    def __init__(self, ranks: RankInfo, dev):
+        import cupy
+        from cupy.cuda import nccl
+        from mpi4py import MPI
+        super().__init__(ranks)
+        shared = shared_gpus(ranks, dev)
+        if shared:
+            raise LlmzError(f"NCCL cannot run {shared}; use --comm mpi")
+        self.dev = dev
+        self.world = MPI.COMM_WORLD
+        self._nccl_module = nccl
+        # rank 0 makes the unique id (128 bytes), MPI carries it to the others, all join the communicator
+        uid = nccl.get_unique_id() if ranks.rank == 0 else None
+        uid = self.world.bcast(uid, root=0)
+        with cupy.cuda.Device(dev.gpu_index):
+            self.nccl = nccl.NcclCommunicator(ranks.world_size, uid, ranks.rank)
+        self._stream = dev.comm_stream.cupy.ptr
+        atexit.register(self.close)     # before MPI_Finalize (mpi4py registered its handler earlier)
+
+    @staticmethod
+    def _ptr(buf) -> int:
+        if isinstance(buf, np.ndarray):
+            raise TypeError("NCCL works on GPU buffers (CuPy arrays), not NumPy arrays")
+        return buf.data.ptr
+
+    def _slice_ptr(self, buf) -> tuple[int, int]:
+        """Device pointer of buf and of this rank's slice of it."""
+        n = buf.size // self.world_size
+        return self._ptr(buf), self._ptr(buf) + self.rank * n * buf.itemsize
+
+    def _all_reduce(self, buf, op: str) -> None:
+        p = self._ptr(buf)
+        self.nccl.allReduce(p, p, buf.size, nccl_dtype(buf.dtype), NCCL_OPS[op], self._stream)
+
+    def _reduce_scatter(self, buf, op: str) -> None:
+        p, mine = self._slice_ptr(buf)          # NCCL in place: recvbuff = sendbuff + rank * recvcount
+        self.nccl.reduceScatter(p, mine, buf.size // self.world_size, nccl_dtype(buf.dtype), NCCL_OPS[op],
+                                self._stream)
+
+    def _all_gather(self, buf) -> None:
+        p, mine = self._slice_ptr(buf)          # NCCL in place: sendbuff = recvbuff + rank * sendcount
+        self.nccl.allGather(mine, p, buf.size // self.world_size, nccl_dtype(buf.dtype), self._stream)
+
+    def _broadcast(self, buf, root: int) -> None:
+        p = self._ptr(buf)
+        self.nccl.broadcast(p, p, buf.size, nccl_dtype(buf.dtype), root, self._stream)
+
+    def _barrier(self) -> None:
+        self.dev.comm_stream.synchronize()      # every collective enqueued so far has finished here
+        self.world.Barrier()
+
+    @contextlib.contextmanager
+    def group(self):
+        self._nccl_module.groupStart()
+        try:
+            yield
+        finally:
+            self._nccl_module.groupEnd()
+
+    def close(self) -> None:
+        if self.nccl is not None:
+            self.dev.comm_stream.synchronize()
+            self.nccl.destroy()
+            self.nccl = None
+
+
+def shared_gpus(ranks: RankInfo, dev) -> str:
+    """'' when every rank drives its own GPU; else which ranks share one (a collective: all ranks call it)."""
+    if ranks.world_size == 1 or dev.kind != "gpu":
+        return ""
+    import cupy
+    from mpi4py import MPI
+    bus = cupy.cuda.Device(dev.gpu_index).pci_bus_id
+    owners: dict[tuple[str, str], list[int]] = {}
+    for r, key in enumerate(MPI.COMM_WORLD.allgather((ranks.hostname, bus))):
+        owners.setdefault(key, []).append(r)
+    for (host, bus), rs in owners.items():
+        if len(rs) > 1:
+            return f"{len(rs)} ranks on one GPU (ranks {', '.join(map(str, rs))} share {host} {bus})"
+    return ""
+
+
+def make_communicator(kind: str, ranks: RankInfo, dev) -> Communicator:
+    """kind 'auto': local for one rank; nccl when every rank has its own GPU; mpi otherwise."""
+    if kind not in COMM_KINDS:
+        raise LlmzError(f"--comm {kind!r}: choose one of {', '.join(COMM_KINDS)}")
+    if kind == "auto":
+        if ranks.world_size == 1:
+            return LocalCommunicator(ranks)
+        kind = "nccl" if dev.kind == "gpu" and not shared_gpus(ranks, dev) else "mpi"
+    if kind == "nccl":
+        if dev.kind != "gpu":
+            raise LlmzError(f"--comm nccl needs --device gpu (device {dev.kind} keeps buffers on the host); "
+                            "use --comm mpi")
+        return NcclCommunicator(ranks, dev)
+    return MpiCommunicator(ranks, dev)
+
+
+def _check_op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"reduction {op!r}: choose one of {', '.join(OPS)}")
+    return op
+
+
+def _flat_contiguous(buf: Any) -> int:
+    """Collectives see buf as one flat run of memory: it must be C-contiguous. Returns its bytes."""
+    if not buf.flags.c_contiguous:
+        raise ValueError("collectives need a C-contiguous buffer")
+    return buf.nbytes

@@ -1,0 +1,123 @@
+"""The classifier's loss: softmax over the first V of Vp logits, then cross-entropy with the targets.
+
+    probs[v] = exp(logits[v] - max) / sum_{u<V} exp(logits[u] - max)    for v < V;   0 for V <= v < Vp
+    loss     = -log(probs[target]) = log(sum) - (logits[target] - max)
+    dlogits  = (probs - onehot(target)) * dloss                           for v < V;   0 for V <= v < Vp
+
+The padded columns (V <= v < Vp, llm.c pads the vocabulary to a multiple of 128) never enter the max or the
+sum, whatever they hold, and get a zero gradient. The loss is computed as log(sum) - (logit - max), the same
+number as -log(probs[target]) but without rounding the probability first (and never log(0)).
+Targets must lie in [0, V): nothing checks them (that would need a host synchronisation).
+"""
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from .norm import MAX_BLOCK, block_max, block_sum
+
+
+# ---- NumPy reference ----------------------------------------------------------------------------
+def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
+    """logits, probs: (B,T,Vp); targets: (B,T) int; losses: (B,T). Overwrites losses and probs."""
+    V = vocab_size
+    x = logits[..., :V]
+    # subtract the row max so exp never overflows
+    maxval = x.max(axis=-1, keepdims=True)
+    p = probs[..., :V]                      # computed in place in probs: no (B,T,V) temporaries
+    np.subtract(x, maxval, out=p)
+    np.exp(p, out=p)
+    s = p.sum(axis=-1, keepdims=True)
+    # normalise; padded columns are zero
+    p /= s
+    probs[..., V:] = 0
+    # loss = -log p[target] = log(sum) - (logit[target] - max)
+    xt = np.take_along_axis(x, targets[..., None].astype(np.intp), axis=-1)
+    losses[...] = (np.log(s) - (xt - maxval))[..., 0]
+
+
+def classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size):
+    """dlogits, probs: (B,T,Vp); targets: (B,T); dloss: a float, d(loss)/d(losses[b,t]) for every b,t.
+    Overwrites dlogits (which may be the logits buffer, never probs)."""
+    V = vocab_size
+    # (probs - onehot(target)) * dloss on the real columns
+    t = targets[..., None].astype(np.intp)
+    dlogits[..., :V] = probs[..., :V]
+    np.put_along_axis(dlogits, t, np.take_along_axis(probs, t, axis=-1) - 1, axis=-1)
+    dlogits[..., :V] *= dloss
+    # padded columns get no gradient
+    dlogits[..., V:] = 0
+
+
+# ---- Numba kernels ------------------------------------------------------------------------------
+@cuda.jit
+def classifier_forward_kernel(losses, probs, logits, targets, V):
+    """One block per row r = b*T + t. logits, probs: (B*T, Vp); targets, losses: (B*T,)."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    Vp = logits.shape[1]
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    # row max: each thread over its strided columns, then across the block
+    m = -math.inf
+    for v in range(tid, V, nt):
+        m = max(m, numba.float64(logits[r, v]))
+    buf[tid] = m
+    cuda.syncthreads()
+    block_max(buf, tid, nt)
+    maxval = buf[0]
+    cuda.syncthreads()                      # everyone has read the max before buf is reused
+    # sum of exp(x - max), accumulated in float64
+    s = 0.0
+    for v in range(tid, V, nt):
+        s += math.exp(logits[r, v] - maxval)
+    buf[tid] = s
+    cuda.syncthreads()
+    block_sum(buf, tid, nt)
+    total = buf[0]
+    # normalise; padded columns are zero
+    for v in range(tid, Vp, nt):
+        probs[r, v] = math.exp(logits[r, v] - maxval) / total if v < V else 0.0
+    # loss = log(sum) - (logit[target] - max)
+    if tid == 0:
+        losses[r] = math.log(total) - (logits[r, targets[r]] - maxval)
+
+
+@cuda.jit
+def classifier_backward_kernel(dlogits, probs, targets, dloss, V, Vp, n):
+    """One thread per element i of the flat (B*T*Vp) arrays. Overwrites dlogits (may alias logits)."""
+    i = cuda.grid(1)
+    if i < n:
+        r = i // Vp
+        v = i - r * Vp
+        if v < V:
+            # (p - onehot(target)) * dloss
+            g = probs[i] - (1.0 if v == targets[r] else 0.0)
+            dlogits[i] = g * dloss
+        else:
+            # padded columns get no gradient
+            dlogits[i] = 0.0
+
+
+# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+def classifier_forward(dev, losses, probs, logits, targets, vocab_size):
+    """logits, probs: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses and probs."""
+    if not dev.kernels:
+        return classifier_forward_ref(losses, probs, logits, targets, vocab_size)
+    Vp = logits.shape[-1]
+    rows = logits.size // Vp
+    block = min(dev.block_size, MAX_BLOCK)
+    dev.launch(classifier_forward_kernel, rows, block,
+               losses.reshape(-1), probs.reshape(rows, Vp), logits.reshape(rows, Vp), targets.reshape(-1),
+               vocab_size)
+
+
+def classifier_backward(dev, dlogits, probs, targets, dloss, vocab_size):
+    """dlogits, probs: (B,T,Vp); targets: (B,T); dloss: float. Overwrites dlogits (may alias logits)."""
+    if not dev.kernels:
+        return classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size)
+    Vp = probs.shape[-1]
+    n = probs.size
+    dev.launch(classifier_backward_kernel, (n + dev.block_size - 1) // dev.block_size, dev.block_size,
+               dlogits.reshape(-1), probs.reshape(-1), targets.reshape(-1), float(dloss), vocab_size, Vp, n)

@@ -1,0 +1,145 @@
+"""The global gradient norm and gradient clipping.
+
+    norm_sq = sum_i x_i^2                     (over one rank's gradients; ranks all-reduce norm_sq)
+    scale   = clip / sqrt(norm_sq)  if clip > 0 and sqrt(norm_sq) > clip,  else 1
+
+The sum is DETERMINISTIC (the same bits every run, so a resumed run repeats exactly): no float atomics,
+two passes in a fixed order. Pass 1: each of `nblocks` blocks grid-strides over x, accumulating in float64
+even for float32 x, reduces its threads in shared memory and writes scratch[block]. Pass 2: one block sums
+scratch[0:nblocks] in a fixed tree order into out[0]. nblocks depends only on n and dev.block_size.
+
+clip_scale writes the factor into scalars[1], the grad_scale slot of the array AdamW reads, on the device:
+the step never waits for the host, and the whole of it can be captured as a CUDA graph.
+"""
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from ..device import ceil_div
+
+# blocks in pass 1 on the GPU; scratch must hold at least this many float64 (the simulator uses fewer:
+# at most dev.block_size blocks)
+NORM_BLOCKS = 256
+# the most threads per block the shared-memory reduction holds
+MAX_BLOCK = 1024
+
+
+# ---- NumPy reference ----------------------------------------------------------------------------
+def norm_squared_ref(out, x, scratch, accumulate=False):
+    """out: (1,) float64; x: (n,); scratch: unused here. Overwrites out[0] with sum(x^2), in float64
+    (accumulate=True: adds it to out[0], for a norm over several arrays)."""
+    # einsum accumulates in float64 without a float64 copy of x
+    s = np.einsum("i,i->", x.reshape(-1), x.reshape(-1), dtype=np.float64)
+    out[0] = out[0] + s if accumulate else s
+
+
+def clip_scale_ref(scalars, norm_sq, clip):
+    """scalars: the AdamW scalars array; norm_sq: (1,). Overwrites scalars[1] with the clipping factor."""
+    norm = math.sqrt(norm_sq[0])
+    scalars[1] = clip / norm if (clip > 0 and norm > clip) else 1.0
+
+
+def global_norm_ref(arrays) -> float:
+    """sqrt(sum of squares) over a list of host arrays, in float64 (for tests and logs)."""
+    return math.sqrt(sum(float(np.einsum("i,i->", a.reshape(-1), a.reshape(-1), dtype=np.float64))
+                         for a in arrays))
+
+
+# ---- Numba kernels ------------------------------------------------------------------------------
+# shared-memory block reductions (the classifier uses them too): a tree over buf[0:n], any n <= MAX_BLOCK,
+# in the same order every run. All n threads of the block call them; buf[0] holds the result on return.
+@cuda.jit(device=True)
+def block_sum(buf, tid, n):
+    half = 1
+    while half < n:
+        half *= 2
+    half //= 2
+    while half > 0:
+        if tid < half and tid + half < n:
+            buf[tid] += buf[tid + half]
+        cuda.syncthreads()
+        half //= 2
+
+
+@cuda.jit(device=True)
+def block_max(buf, tid, n):
+    half = 1
+    while half < n:
+        half *= 2
+    half //= 2
+    while half > 0:
+        if tid < half and tid + half < n:
+            buf[tid] = max(buf[tid], buf[tid + half])
+        cuda.syncthreads()
+        half //= 2
+
+
+@cuda.jit
+def norm_partial_kernel(scratch, x, n):
+    """Pass 1, grid of nblocks: scratch[block] = sum of x[i]^2 over the i this block strides over."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    # each thread: a grid-stride loop, accumulating in float64
+    s = 0.0
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        xi = numba.float64(x[i])
+        s += xi * xi
+    buf[tid] = s
+    cuda.syncthreads()
+    # the block's threads, in a fixed tree order
+    block_sum(buf, tid, nt)
+    if tid == 0:
+        scratch[cuda.blockIdx.x] = buf[0]
+
+
+@cuda.jit
+def norm_final_kernel(out, scratch, nblocks, accumulate):
+    """Pass 2, one block: out[0] = sum of scratch[0:nblocks], in a fixed order. Overwrites out[0]
+    (accumulate: adds to it)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    s = 0.0
+    for j in range(tid, nblocks, nt):
+        s += scratch[j]
+    buf[tid] = s
+    cuda.syncthreads()
+    block_sum(buf, tid, nt)
+    if tid == 0:
+        out[0] = out[0] + buf[0] if accumulate else buf[0]
+
+
+@cuda.jit
+def clip_scale_kernel(scalars, norm_sq, clip):
+    """One thread: scalars[1] = clip / norm when clipping is on and the norm exceeds it, else 1."""
+    if cuda.grid(1) == 0:
+        norm = math.sqrt(norm_sq[0])
+        scalars[1] = clip / norm if (clip > 0.0 and norm > clip) else 1.0
+
+
+# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+def norm_blocks(dev, n: int) -> int:
+    """Blocks in pass 1 for n elements: fixed by n and dev.block_size, so the summation order is too."""
+    return max(1, min(NORM_BLOCKS, dev.block_size, ceil_div(n, dev.block_size)))
+
+
+def norm_squared(dev, out, x, scratch, accumulate: bool = False):
+    """out: (1,) float64; x: (n,); scratch: float64, at least NORM_BLOCKS. Overwrites out[0] with sum(x^2);
+    accumulate=True adds it to out[0] instead (a norm over several arrays, each added in turn)."""
+    if not dev.kernels:
+        return norm_squared_ref(out, x, scratch, accumulate)
+    n = x.size
+    nblocks = norm_blocks(dev, n)
+    assert scratch.size >= nblocks, (scratch.size, nblocks)
+    dev.launch(norm_partial_kernel, nblocks, dev.block_size, scratch, x.reshape(-1), n)
+    dev.launch(norm_final_kernel, 1, dev.block_size, out, scratch, nblocks, bool(accumulate))
+
+
+def clip_scale(dev, scalars, norm_sq, clip):
+    """scalars: float64 AdamW scalars; norm_sq: (1,) float64. Overwrites scalars[1] (grad_scale)."""
+    if not dev.kernels:
+        return clip_scale_ref(scalars, norm_sq, clip)
+    dev.launch(clip_scale_kernel, 1, 1, scalars, norm_sq, float(clip))

@@ -1,0 +1,132 @@
+"""Who am I among the ranks, and how a failing rank takes the others down with it.
+
+llm.c style: `mpiexec -n N python -m llmz.train` starts N processes; MPI tells each its rank and the world
+size; the local rank (this rank's index among the ranks on the same host, found by gathering hostnames)
+picks the GPU. A single process started without mpiexec is rank 0 of 1.
+
+A rank that dies while the others wait in a collective would leave them hung forever, so every entry point
+runs its main under `abort_on_error`: the failing rank prints one line and calls MPI_Abort, and the
+launcher kills the rest.
+
+Importing this module is cheap: mpi4py (which initialises MPI when `mpi4py.MPI` is imported) is imported
+inside `init_ranks` only.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+
+from llmz.errors import LlmzError
+
+# set by launchers that start several ranks: a rank that sees one of these must not run alone
+_LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int           # 0 .. world_size-1
+    world_size: int
+    local_rank: int     # index of this rank among the ranks on the same host; also its GPU index
+    local_size: int     # ranks on this host
+    hostname: str
+
+    @property
+    def gpu_index(self) -> int:
+        return self.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints, writes checkpoints and logs."""
+        return self.rank == 0
+
+
+def _launcher_world_size() -> int:
+    for var in _LAUNCHER_SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def init_ranks() -> RankInfo:
+    """Rank, world size and local rank from MPI; rank 0 of 1 when mpi4py is missing and no launcher ran us."""
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # noqa: BLE001  (mpi4py absent, or its MPI library fails to load)
+        n = _launcher_world_size()
+        if n > 1:
+            raise LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({e}); "
+                            "install llmz[mpi]") from None
+        return RankInfo(0, 1, 0, 1, socket.gethostname())
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    hostname = MPI.Get_processor_name()
+    if size == 1:
+        return RankInfo(0, 1, 0, 1, hostname)
+    # local rank: how many ranks before me share my host (llm.c gathers hostname hashes the same way)
+    hosts = world.allgather(hostname)
+    local_rank = sum(1 for h in hosts[:rank] if h == hostname)
+    local_size = sum(1 for h in hosts if h == hostname)
+    return RankInfo(rank, size, local_rank, local_size, hostname)
+
+
+def _mpi_rank_and_size() -> tuple[int, int]:
+    """Rank and world size if MPI is already running in this process, without starting it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0, 1
+    return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+
+
+def _die(rank: int, world_size: int, line: str | None, code: int) -> None:
+    """Print the error line (once, from the failing rank) and end this rank; with peers, end them too."""
+    if line is not None:
+        prefix = f"rank {rank}: " if world_size > 1 else ""
+        print(f"{prefix}{line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if world_size > 1:
+        # MPI_Abort: the launcher kills every rank, so none waits forever in a collective.
+        # (MPICH adds its own line "application called MPI_Abort(...)".)
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def abort_on_error(ranks: RankInfo | None = None):
+    """Run a rank's main; any exception ends the whole job with one line `rank R: error: <message>`.
+
+    LlmzError prints its message alone, other exceptions `Type: message`; LLMZ_DEBUG=1 adds the traceback.
+    A non-zero sys.exit on one rank also aborts the others (they could be waiting for it), silently:
+    whoever called sys.exit has said why (argparse prints its usage line).
+    """
+    try:
+        yield
+    except SystemExit as e:
+        rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
+        if e.code in (None, 0) or size == 1:
+            raise
+        if isinstance(e.code, int):
+            _die(rank, size, None, e.code)
+        _die(rank, size, f"error: {e.code}", 1)          # sys.exit("message")
+    except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt too: no peer may be left waiting)
+        rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
+        if os.environ.get("LLMZ_DEBUG") == "1":
+            traceback.print_exc()
+        lines = str(e).strip().splitlines() or [""]
+        msg = lines[0] + (" (... LLMZ_DEBUG=1 shows the rest)" if len(lines) > 1 else "")
+        if not isinstance(e, LlmzError):
+            msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        _die(rank, size, f"error: {msg}", 1)
+
+
+def fail_fast(fn):
+    """Decorator form of abort_on_error for a `main()`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with abort_on_error():
+            return fn(*args, **kwargs)
+    return wrapper

@@ -1,0 +1,88 @@
+"""Bytes per rank by category: predicted by the ZeRO formula and measured from what the code allocated.
+
+With Ψ parameters, N ranks, and b bytes per value (4 in fp32; 8 when the cpu path runs in float64):
+
+  stage | parameters | gradients                                   | optimizer state (m, v)
+  0     | bΨ         | bΨ                                          | 2bΨ
+  1     | bΨ         | bΨ                                          | 2bΨ/N
+  2     | bΨ         | bΨ/N + 2 block slots + embeddings + lnf     | 2bΨ/N
+
+(ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N is the bf16 + fp32-master version of the same table; see the bf16 path.)
+The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
+the GPU also reads the memory CuPy's pool holds.
+"""
+from __future__ import annotations
+
+from .config import GPT2Config
+from .layout import Layout
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
+
+
+def activation_elements(c: GPT2Config, B: int, T: int) -> int:
+    """Elements of llmz.model.Activations: per layer 18C + 4 + 2*NH*T per position, plus the rest."""
+    C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
+    per_layer = 18 * C + 4 + 2 * NH * T
+    outside = C + (C + 2) + 2 * Vp + 1          # encoded, lnf (+mean, rstd), logits, probs, losses
+    scratch = 13 * C + 2 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, dpreatt, datt
+    return B * T * (L * per_layer + outside + scratch)
+
+
+def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int) -> dict[str, int]:
+    """The formula, with Ψ = the real parameter count (no padding)."""
+    psi, N, b = layout.num_parameters, layout.world_size, value_bytes
+    out = {"parameters": b * psi, "optimizer_state": 2 * b * psi if stage == 0 else 2 * b * psi // N}
+    if stage < 2:
+        out["gradients"] = b * psi
+    else:
+        slots = 2 * max(bk.padded_size for bk in layout.buckets[1:-1])
+        out["gradients"] = b * psi // N + b * (slots + layout.embeddings.padded_size + layout.lnf.padded_size)
+    out["activations"] = b * activation_elements(layout.config, B, T)
+    out["communication_buffers"] = 0
+    return out
+
+
+def measured(stage_obj, model) -> dict[str, int]:
+    out = {k: 0 for k in CATEGORIES}
+    for k, v in stage_obj.state_bytes().items():
+        out[k] = out.get(k, 0) + v
+    out["activations"] = model.acts.nbytes()
+    return out
+
+
+def device_used_bytes(dev) -> int | None:
+    """On the GPU: bytes CuPy's memory pool holds (every llmz buffer comes from it). Else None."""
+    if dev.kind != "gpu":
+        return None
+    return int(dev.xp.get_default_memory_pool().used_bytes())
+
+
+def report(layout: Layout, stage: int, B: int, T: int, value_bytes: int, stage_obj, model, dev) -> dict:
+    pred = predicted(layout, stage, B, T, value_bytes)
+    meas = measured(stage_obj, model)
+    rep = {"stage": stage, "world_size": layout.world_size, "value_bytes": value_bytes,
+           "predicted": pred, "measured": meas,
+           "predicted_total": sum(pred.values()), "measured_total": sum(meas.values())}
+    used = device_used_bytes(dev)
+    if used is not None:
+        rep["device_used"] = used
+    return rep
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def table(rep: dict) -> str:
+    lines = [f"memory per rank (ZeRO stage {rep['stage']}, {rep['world_size']} ranks)",
+             f"  {'category':<22}{'predicted':>14}{'measured':>14}"]
+    for k in CATEGORIES:
+        lines.append(f"  {k:<22}{fmt_bytes(rep['predicted'][k]):>14}{fmt_bytes(rep['measured'][k]):>14}")
+    lines.append(f"  {'total':<22}{fmt_bytes(rep['predicted_total']):>14}{fmt_bytes(rep['measured_total']):>14}")
+    if "device_used" in rep:
+        lines.append(f"  {'GPU pool in use':<22}{'':>14}{fmt_bytes(rep['device_used']):>14}")
+    return "\n".join(lines)

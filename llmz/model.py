@@ -1,0 +1,176 @@
+"""GPT-2's forward and backward, as a straight list of layer calls (llm.c's gpt2_forward / gpt2_backward).
+
+The model owns only activations and backward scratch; parameters and gradients live wherever the caller
+keeps them, handed in as named views per bucket (llmz.layout). Backward asks `grads.bucket(b)` where to
+accumulate bucket b's gradients and calls `grads.done(b)` the moment they are complete:
+    the final layernorm first, then block L-1 ... block 0, then the embeddings (wte is tied to the output
+    head: its gradient starts in the classifier and ends in the encoder, so that bucket finishes last).
+The ZeRO stages (llmz.zero) attach there: stage 2 starts reduce-scattering block l while block l-1's
+backward runs.
+
+Shapes: B batch, T time, C channels, NH heads, L layers, V vocab, Vp padded vocab.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import GPT2Config
+from .kernels.attention import attention_backward, attention_forward
+from .kernels.classifier import classifier_backward, classifier_forward
+from .kernels.encoder import encoder_backward, encoder_forward
+from .kernels.fill import zero
+from .kernels.gelu import gelu_backward, gelu_forward
+from .kernels.layernorm import layernorm_backward, layernorm_forward
+from .kernels.matmul import matmul_backward, matmul_forward
+from .kernels.residual import residual_forward
+from .layout import Layout
+
+
+class FullGrads:
+    """The plain gradient store: one full-size flat buffer, nothing to do when a bucket is complete."""
+
+    def __init__(self, layout: Layout, flat):
+        self.views = layout.views(flat)
+
+    def bucket(self, b: int) -> dict:
+        return self.views[b]
+
+    def done(self, b: int) -> None:
+        pass
+
+
+class Activations:
+    """Every activation backward needs (llm.c's ActivationTensors), plus backward's scratch buffers."""
+
+    def __init__(self, config: GPT2Config, dev, B: int, T: int):
+        c = config
+        L, C, NH, Vp = c.num_layers, c.channels, c.num_heads, c.padded_vocab_size
+        z = dev.zeros
+        self.encoded = z((B, T, C))             # wte[token] + wpe[t]
+        self.ln1 = z((L, B, T, C))
+        self.ln1_mean = z((L, B, T))
+        self.ln1_rstd = z((L, B, T))
+        self.qkv = z((L, B, T, 3 * C))
+        self.atty = z((L, B, T, C))             # attention output, before the projection
+        self.preatt = z((L, B, NH, T, T))       # scaled q.k
+        self.att = z((L, B, NH, T, T))          # softmax of preatt, causal
+        self.attproj = z((L, B, T, C))
+        self.residual2 = z((L, B, T, C))        # block input + attention branch
+        self.ln2 = z((L, B, T, C))
+        self.ln2_mean = z((L, B, T))
+        self.ln2_rstd = z((L, B, T))
+        self.fch = z((L, B, T, 4 * C))
+        self.fch_gelu = z((L, B, T, 4 * C))
+        self.fcproj = z((L, B, T, C))
+        self.residual3 = z((L, B, T, C))        # block output = residual2 + MLP branch
+        self.lnf = z((B, T, C))
+        self.lnf_mean = z((B, T))
+        self.lnf_rstd = z((B, T))
+        self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
+        self.probs = z((B, T, Vp))
+        self.losses = z((B, T))
+        # backward scratch, reused by every block
+        self.dresidual = z((B, T, C))           # gradient flowing down the residual stream
+        self.dbtc = z((B, T, C))                # dlnf, then per block dln2, datty, dln1
+        self.dqkv = z((B, T, 3 * C))
+        self.dfch_gelu = z((B, T, 4 * C))
+        self.dfch = z((B, T, 4 * C))
+        self.dpreatt = z((B, NH, T, T))
+        self.datt = z((B, NH, T, T))
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values())
+
+
+class GPT2:
+    """Forward and backward for a fixed (B, T) on one device."""
+
+    def __init__(self, config: GPT2Config, dev, B: int, T: int):
+        if T > config.max_seq_len:
+            raise ValueError(f"seq-len {T} > max_seq_len {config.max_seq_len} of the model")
+        self.config, self.dev, self.B, self.T = config, dev, B, T
+        self.layout = None
+        self.acts = Activations(config, dev, B, T)
+
+    def forward(self, p: list[dict], inputs, targets=None) -> None:
+        """p: named views per bucket [embeddings, block0.., lnf]; inputs, targets: (B, T) int32 on the device.
+        Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync."""
+        dev, a, c = self.dev, self.acts, self.config
+        L = c.num_layers
+        emb, lnf = p[0], p[L + 1]
+        encoder_forward(dev, a.encoded, inputs, emb["wte"], emb["wpe"])
+        for layer in range(L):
+            w = p[1 + layer]
+            residual = a.encoded if layer == 0 else a.residual3[layer - 1]
+            # attention branch: x + attproj(attention(qkv(ln1(x))))
+            layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
+                              w["ln1w"], w["ln1b"])
+            matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
+            attention_forward(dev, a.atty[layer], a.preatt[layer], a.att[layer], a.qkv[layer], c.num_heads)
+            matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
+            residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
+            # MLP branch: x + fcproj(gelu(fc(ln2(x))))
+            layernorm_forward(dev, a.ln2[layer], a.ln2_mean[layer], a.ln2_rstd[layer], a.residual2[layer],
+                              w["ln2w"], w["ln2b"])
+            matmul_forward(dev, a.fch[layer], a.ln2[layer], w["fcw"], w["fcb"])
+            gelu_forward(dev, a.fch_gelu[layer], a.fch[layer])
+            matmul_forward(dev, a.fcproj[layer], a.fch_gelu[layer], w["fcprojw"], w["fcprojb"])
+            residual_forward(dev, a.residual3[layer], a.residual2[layer], a.fcproj[layer])
+        layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
+        matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
+        if targets is not None:
+            classifier_forward(dev, a.losses, a.probs, a.logits, targets, c.vocab_size)
+
+    def backward(self, p: list[dict], grads, inputs, targets, dloss: float) -> None:
+        """Accumulates (+=) d(loss)/d(parameters) into the buffers `grads.bucket(b)` names, where
+        loss = dloss * sum of per-position losses (dloss = 1/(B*T*K) for the mean over K micro-steps).
+        Needs the activations of forward(p, inputs, targets). No host sync."""
+        dev, a, c = self.dev, self.acts, self.config
+        L, NH = c.num_layers, c.num_heads
+        emb, lnf = p[0], p[L + 1]
+        # classifier: dlogits = (probs - onehot) * dloss, written over the logits
+        classifier_backward(dev, a.logits, a.probs, targets, dloss, c.vocab_size)
+        dlogits = a.logits
+        gemb = grads.bucket(0)
+        zero(dev, a.dbtc)
+        matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"])
+        # final layernorm: its bucket is complete now
+        glnf = grads.bucket(L + 1)
+        zero(dev, a.dresidual)
+        layernorm_backward(dev, a.dresidual, glnf["lnfw"], glnf["lnfb"], a.dbtc, a.residual3[L - 1],
+                           lnf["lnfw"], a.lnf_mean, a.lnf_rstd)
+        grads.done(L + 1)
+        for layer in reversed(range(L)):
+            w, g = p[1 + layer], grads.bucket(1 + layer)
+            residual = a.encoded if layer == 0 else a.residual3[layer - 1]
+            # dresidual holds d(residual3). A residual add passes its gradient through unchanged to both
+            # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.
+            zero(dev, a.dfch_gelu)
+            matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
+                            w["fcprojw"])
+            zero(dev, a.dfch)
+            gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu)
+            zero(dev, a.dbtc)
+            matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"])
+            layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],
+                               w["ln2w"], a.ln2_mean[layer], a.ln2_rstd[layer])
+            # dresidual now holds d(residual2): the attention branch
+            zero(dev, a.dbtc)
+            matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
+                            w["attprojw"])
+            zero(dev, a.dqkv)
+            attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH)
+            zero(dev, a.dbtc)
+            matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"])
+            layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
+                               w["ln1w"], a.ln1_mean[layer], a.ln1_rstd[layer])
+            # dresidual now holds d(block input); this block's bucket is complete
+            grads.done(1 + layer)
+        gemb = grads.bucket(0)
+        encoder_backward(dev, gemb["wte"], gemb["wpe"], a.dresidual, inputs)
+        grads.done(0)
+
+    # ---- conveniences for scripts and tests (host side) -----------------------------------------
+    def mean_loss(self) -> float:
+        """Host read of the mean loss of the last forward (a synchronisation: call outside the hot path)."""
+        return float(np.mean(self.dev.to_host(self.acts.losses), dtype=np.float64))

@@ -1,0 +1,100 @@
+"""A timeline of one training step: each layer's backward on the compute stream and each collective on
+the comm stream, written as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and
+as a PNG, so a learner sees block l's reduce-scatter run beside block l-1's backward.
+
+On the GPU every span is a pair of CUDA events recorded on its stream (no host synchronisation while
+tracing; the times are read once, at stop()). On cpu and sim everything runs in program order, so the
+spans are host clock readings and the picture shows the collectives serialised with backward.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class Tracer:
+    def __init__(self, dev, rank: int = 0):
+        self.dev, self.rank = dev, rank
+        self.active = False
+        self.spans: list[tuple[str, str, object, object]] = []     # (name, stream, start, end)
+        self.open: dict[tuple[str, str], object] = {}
+
+    def _mark(self, stream_name: str):
+        if self.dev.kind == "gpu":
+            e = self.dev.event(timing=True)
+            e.record(self.dev.compute_stream if stream_name == "compute" else self.dev.comm_stream)
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.active, self.spans, self.open = True, [], {}
+        self.t0 = self._mark("compute")
+
+    def begin(self, name: str, stream: str) -> None:
+        if self.active:
+            self.open[(name, stream)] = self._mark(stream)
+
+    def end(self, name: str, stream: str) -> None:
+        if self.active and (name, stream) in self.open:
+            self.spans.append((name, stream, self.open.pop((name, stream)), self._mark(stream)))
+
+    def _us(self, mark) -> float:
+        if self.dev.kind == "gpu":
+            import cupy
+            return cupy.cuda.get_elapsed_time(self.t0.cupy, mark.cupy) * 1e3
+        return (mark - self.t0) * 1e6
+
+    def stop(self, path: str) -> dict:
+        """Write the Chrome trace to `path` and a PNG beside it; return the trace dict."""
+        self.active = False
+        self.dev.synchronize()
+        events = []
+        for name, stream, s, e in self.spans:
+            ts, te = self._us(s), self._us(e)
+            events.append({"name": name, "ph": "X", "ts": ts, "dur": max(te - ts, 0.0), "pid": self.rank,
+                           "tid": stream, "cat": "comm" if stream == "comm" else "backward"})
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        write_atomic_text(path, json.dumps(trace, indent=1))
+        png = os.path.splitext(path)[0] + ".png"
+        plot_png(events, png, f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)")
+        return trace
+
+
+def write_atomic_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def overlap_us(events: list[dict]) -> float:
+    """Total time during which a comm span and a compute span run at once (µs)."""
+    comp = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "comm"]
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in comp for b0, b1 in comm)
+
+
+def plot_png(events: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(12, 2.8))
+    rows = {"compute": 1, "comm": 0}
+    colors = {"compute": "tab:blue", "comm": "tab:orange"}
+    t0 = min((e["ts"] for e in events), default=0.0)
+    for e in events:
+        y = rows[e["tid"]]
+        ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.4, 0.8), facecolors=colors[e["tid"]],
+                       edgecolors="black", linewidth=0.5)
+        if e["dur"] > 0:
+            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y, e["name"].replace("reduce-scatter ", "RS "),
+                    ha="center", va="center", fontsize=6, rotation=90 if e["tid"] == "comm" else 0)
+    ax.set_yticks([0, 1], ["comm stream", "compute stream"])
+    ax.set_xlabel("ms since the step began")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,304 @@
+"""python -m llmz.train: train GPT-2 on one or many ranks (mpiexec -n N python -m llmz.train).
+
+Reads top to bottom like nanoGPT's train.py: flags, ranks and device, data, model, ZeRO stage, the loop.
+With no flags it trains a small byte-level model on the shipped Shakespeare and prints a sample.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from .device import KINDS, resolve
+
+# MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
+PEAK_TFLOPS = {"H100": {"fp32": 494.7, "bf16": 989.4}, "H200": {"fp32": 494.7, "bf16": 989.4},
+               "A100": {"fp32": 156.0, "bf16": 312.0}}
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmz.train", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--device", choices=KINDS, default="auto", help="gpu: Numba kernels on CuPy memory; cpu: NumPy "
+      "references; sim: the kernels in Numba's CUDA simulator (tiny models only)")
+    a("--precision", choices=("fp32", "fp64"), default="fp32", help="fp64 only on cpu and sim")
+    a("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="collective backend between ranks")
+    a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
+    a("--no-overlap", action="store_true", help="stage 2: serialise each reduce-scatter with backward")
+    a("--model", default=None, help="preset: tiny, small, d2, d4, d6, d12, ... (default: small on cpu, "
+      "d6 on gpu)")
+    a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file")
+    a("--max-seq-len", type=int, default=None, help="model's maxT for a preset (default 1024)")
+    a("--seed", type=int, default=1337)
+    a("--train-data", default=os.path.join(DEFAULT_DATA, "shakespeare_train.bin"), metavar="GLOB")
+    a("--val-data", default=os.path.join(DEFAULT_DATA, "shakespeare_val.bin"), metavar="GLOB")
+    a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
+    a("--shuffle", action="store_true", help="shuffle batch order each epoch (off: llm.c's order)")
+    a("--batch-size", "-b", type=int, default=None, help="B per rank (default 16 cpu, 32 gpu)")
+    a("--seq-len", "-t", type=int, default=None, help="T (default 64 cpu, 256 gpu)")
+    a("--grad-accum", type=int, default=1, help="K micro-steps per optimizer step")
+    a("--steps", type=int, default=None, help="optimizer steps (default 600 cpu, 2000 gpu)")
+    a("--lr", type=float, default=1e-3)
+    a("--warmup-steps", type=int, default=20)
+    a("--lr-schedule", choices=("cosine", "constant"), default="cosine")
+    a("--final-lr-frac", type=float, default=0.1)
+    a("--weight-decay", type=float, default=0.0)
+    a("--beta1", type=float, default=0.9)
+    a("--beta2", type=float, default=0.95)
+    a("--eps", type=float, default=1e-8)
+    a("--grad-clip", type=float, default=1.0, help="0 = off")
+    a("--val-every", type=int, default=100, help="0 = only at the end")
+    a("--val-batches", type=int, default=10)
+    a("--sample-every", type=int, default=0, help="0 = only at the end")
+    a("--sample-tokens", type=int, default=200)
+    a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step")
+    a("--save", default=None, metavar="FILE.bin", help="write the final model (llm.c format)")
+    a("--trace", default=None, metavar="FILE.json", help="stage 2: Chrome trace (+ PNG) of one step")
+    a("--quiet", action="store_true", help="no per-step lines")
+    return p
+
+
+def defaults_for(args, kind: str) -> None:
+    """Fill the device-dependent defaults: a small model on a laptop CPU, a bigger one on a GPU."""
+    gpu = kind == "gpu"
+    if args.model is None and args.init_from is None:
+        args.model = "d6" if gpu else "small"
+    if args.batch_size is None:
+        args.batch_size = 32 if gpu else 16
+    if args.seq_len is None:
+        args.seq_len = 256 if gpu else 64
+    if args.steps is None:
+        args.steps = 2000 if gpu else 600
+
+
+def check_args(args) -> None:
+    from .errors import LlmzError
+    for name in ("batch_size", "seq_len", "grad_accum", "steps"):
+        if getattr(args, name) <= 0:
+            raise LlmzError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr < 0 or args.grad_clip < 0 or not 0 <= args.beta1 < 1 or not 0 <= args.beta2 < 1:
+        raise LlmzError("--lr, --grad-clip must be >= 0 and --beta1, --beta2 in [0, 1)")
+    if args.precision == "fp64" and args.device == "gpu":
+        raise LlmzError("--precision fp64 runs on --device cpu or sim only")
+
+
+class Run:
+    """Everything one rank needs to train: device, communicator, data, model and its ZeRO stage."""
+
+    def __init__(self, args, kind: str, ranks):
+        from . import checkpoint, comm, config, data, layout, memory, model, optim, tokenizer, zero
+        from .errors import LlmzError
+        self.args, self.ranks = args, ranks
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        dtype = np.float64 if args.precision == "fp64" else np.float32
+        from .device import Device
+        self.dev = Device(kind, dtype, gpu_index=ranks.local_rank)
+        self.comm = comm.make_communicator(args.comm, ranks, self.dev)
+        self.tok = tokenizer.load_tokenizer(args.tokenizer)
+        # model: a preset, or an llm.c file
+        if args.init_from:
+            cfg, llmc = checkpoint.load_model(args.init_from)
+            self.layout = layout.Layout(cfg, self.world_size)
+            params = self.layout.from_llmc(llmc, np.float64)
+        else:
+            cfg = config.preset(args.model, vocab_size=self.tok.vocab_size,
+                                max_seq_len=args.max_seq_len or 1024)
+            self.layout = layout.Layout(cfg, self.world_size)
+            params = layout.init_parameters(self.layout, args.seed)
+        if cfg.vocab_size < self.tok.vocab_size:
+            raise LlmzError(f"tokenizer has {self.tok.vocab_size} tokens, the model only {cfg.vocab_size}")
+        if args.seq_len > cfg.max_seq_len:
+            raise LlmzError(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
+        self.config = cfg
+        B, T = args.batch_size, args.seq_len
+        self.train_loader = data.DataLoader(args.train_data, B, T, self.rank, self.world_size,
+                                            shuffle=args.shuffle, seed=args.seed, vocab_size=cfg.vocab_size)
+        self.val_loader = (data.DataLoader(args.val_data, B, T, self.rank, self.world_size,
+                                           vocab_size=cfg.vocab_size) if args.val_data else None)
+        self.opt = optim.AdamW(lr=args.lr, beta1=args.beta1, beta2=args.beta2, eps=args.eps,
+                               weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                               warmup_steps=args.warmup_steps, schedule=args.lr_schedule,
+                               final_lr_frac=args.final_lr_frac, total_steps=args.steps)
+        self.model = model.GPT2(cfg, self.dev, B, T)
+        self.tracer = None
+        if args.trace:
+            from .trace import Tracer
+            self.tracer = Tracer(self.dev, self.rank)
+        self.zero = zero.make_stage(args.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
+                                    overlap=not args.no_overlap, tracer=self.tracer)
+        self.memory = memory.report(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize,
+                                    self.zero, self.model, self.dev)
+        self.tokens_per_step = B * T * args.grad_accum * self.world_size
+        self.x = self.dev.zeros((B, T), np.int32)
+        self.y = self.dev.zeros((B, T), np.int32)
+
+    # ---- one optimizer step ------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        """K micro-steps of forward+backward, then the ZeRO stage's reduce / update / gather.
+        Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm."""
+        a, dev, z, m = self.args, self.dev, self.zero, self.model
+        K = a.grad_accum
+        dloss = 1.0 / (a.batch_size * a.seq_len * K)
+        loss_sum = 0.0
+        for micro in range(K):
+            x, y = self.train_loader.next_batch()
+            dev.copy_from_host(self.x, x)
+            dev.copy_from_host(self.y, y)
+            z.begin_micro_step(micro, K)
+            m.forward(z.pviews, self.x, self.y)
+            m.backward(z.pviews, z, self.x, self.y, dloss)
+            loss_sum += m.mean_loss()
+        z.reduce_gradients()
+        grad_norm = z.update(step)
+        loss = self.mean_over_ranks(loss_sum / K)
+        return {"loss": loss, "grad_norm": grad_norm}
+
+    def mean_over_ranks(self, x: float) -> float:
+        buf = self.dev.asarray(np.array([x], dtype=np.float64))
+        self.comm.all_reduce(buf, op="avg")
+        return float(self.dev.to_host(buf)[0])
+
+    def val_loss(self, batches: int) -> float:
+        self.val_loader.reset()
+        n = min(batches, self.val_loader.num_batches)
+        total = 0.0
+        for _ in range(n):
+            x, y = self.val_loader.next_batch()
+            self.dev.copy_from_host(self.x, x)
+            self.dev.copy_from_host(self.y, y)
+            self.model.forward(self.zero.pviews, self.x, self.y)
+            total += self.model.mean_loss()
+        return self.mean_over_ranks(total / n)
+
+    def host_params(self) -> np.ndarray:
+        return self.dev.to_host(self.zero.params)
+
+    def sample(self, prompt_ids, n_tokens: int, seed: int) -> list[int]:
+        from .model import GPT2
+        from .sample import generate
+        if not hasattr(self, "sampler"):
+            self.sampler = GPT2(self.config, self.dev, 1, self.args.seq_len)   # B=1: cheap activations
+        return generate(self.sampler, self.zero.pviews, self.tok, prompt_ids, n_tokens, seed)
+
+
+def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | None:
+    """Model flops utilisation, llm.c's formula: 6 * params + 6 * L * C * T flops per token."""
+    if dev.kind != "gpu":
+        return None
+    name = dev.xp.cuda.runtime.getDeviceProperties(dev.gpu_index)["name"].decode()
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    flops = 6 * config.num_parameters() + 6 * config.num_layers * config.channels * T
+    return tokens_per_s * flops / (peak.get(precision, peak["fp32"]) * 1e12)
+
+
+def train(args, kind: str, ranks) -> dict:
+    from .memory import table
+    r0 = ranks.rank == 0
+    say = print if r0 else (lambda *a, **k: None)
+    run = Run(args, kind, ranks)
+    c = run.config
+    say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
+        f"ZeRO stage {args.zero_stage}")
+    say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
+        f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")
+    say(f"batch: B={args.batch_size} T={args.seq_len} K={args.grad_accum} x {ranks.world_size} ranks = "
+        f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
+    say(table(run.memory))
+    log = open(args.log + ".tmp", "w") if (args.log and r0) else None
+    if log:
+        log.write(json.dumps({"event": "start", "config": c.to_dict(), "args": vars(args),
+                              "world_size": ranks.world_size, "memory": run.memory}) + "\n")
+    first_loss = last = None
+    val_losses = []
+    t_total = 0.0
+    for step in range(args.steps):
+        last_step = step == args.steps - 1
+        if args.val_every and run.val_loader and (step % args.val_every == 0 or last_step) \
+                or (last_step and run.val_loader):
+            vl = run.val_loss(args.val_batches)
+            val_losses.append((step, vl))
+            say(f"step {step:5d} | val loss {vl:.4f}")
+            if log:
+                log.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
+        if args.sample_every and step > 0 and step % args.sample_every == 0 and r0:
+            say("---\n" + run.tok.decode(run.sample([], args.sample_tokens, args.seed + step)) + "\n---")
+        if args.trace and step == min(1, args.steps - 1):
+            run.tracer.start()
+        run.dev.synchronize()
+        t0 = time.perf_counter()
+        out = run.step(step)
+        run.dev.synchronize()
+        dt = time.perf_counter() - t0
+        if args.trace and step == min(1, args.steps - 1):
+            run.tracer.stop(args.trace)
+        if step > 0:
+            t_total += dt
+        loss = out["loss"]
+        if not math.isfinite(loss) or not math.isfinite(out["grad_norm"]):
+            from .errors import LlmzError
+            raise LlmzError(f"step {step}: non-finite loss {loss} or grad norm {out['grad_norm']}; stopping")
+        first_loss = loss if first_loss is None else first_loss
+        last = loss
+        tps = run.tokens_per_step / dt
+        util = mfu(tps, c, args.seq_len, run.dev, args.precision)
+        rec = {"step": step, "loss": loss, "lr": run.opt.lr_at(step), "grad_norm": out["grad_norm"],
+               "ms": dt * 1e3, "tokens_per_s": tps}
+        if util is not None:
+            rec["mfu"] = util
+        if log:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if not args.quiet:
+            say(f"step {step:5d}/{args.steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | norm {out['grad_norm']:.3f}"
+                f" | {dt * 1e3:8.1f} ms | {tps:9.0f} tok/s" + (f" | MFU {util * 100:.1f}%" if util else ""))
+    summary = {"first_loss": first_loss, "final_loss": last, "val_losses": val_losses,
+               "mean_ms": t_total * 1e3 / max(args.steps - 1, 1),
+               "tokens_per_s": run.tokens_per_step * max(args.steps - 1, 1) / t_total if t_total else None}
+    if r0 and run.val_loader:
+        text = run.tok.decode(run.sample([], args.sample_tokens, args.seed))
+        say("--- sample ---\n" + text + "\n--------------")
+    if args.save:
+        from .checkpoint import save_model
+        host = run.host_params()
+        if r0:
+            save_model(args.save, c, host, run.layout)
+            say(f"saved {args.save}")
+    if log:
+        log.write(json.dumps({"event": "end", **summary}) + "\n")
+        log.close()
+        os.replace(args.log + ".tmp", args.log)
+    vals = ", ".join(f"{s}: {v:.4f}" for s, v in val_losses)
+    say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; "
+        f"{summary['mean_ms']:.1f} ms/step")
+    run.comm.barrier()
+    return summary
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import LlmzError
+    try:
+        kind = resolve(args.device)          # before numba is imported (the simulator needs that)
+        defaults_for(args, kind)
+        check_args(args)
+    except (LlmzError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .launch import abort_on_error, init_ranks
+    ranks = init_ranks()
+    with abort_on_error(ranks):
+        train(args, kind, ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

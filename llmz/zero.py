@@ -1,0 +1,289 @@
+"""ZeRO stages 0, 1, 2: what happens to a bucket's gradients when backward finishes it, and to the
+parameters after the optimizer step (Rajbhandari et al. 2019; llm.c's zero.cuh and PR #593).
+
+Every stage keeps the full parameters on every rank (stage 3 would shard those too). They differ in what
+else each rank keeps, with Ψ parameters and N ranks (fp32 training, no master copy):
+
+  stage 0  gradients 4Ψ,  m and v 8Ψ     all-reduce every bucket after backward; every rank runs AdamW on all
+  stage 1  gradients 4Ψ,  m and v 8Ψ/N   reduce-scatter every bucket at the last micro-step; AdamW on my
+                                         shard; all-gather every bucket's parameters
+  stage 2  gradients 4Ψ/N + two block slots + embedding grads, m and v 8Ψ/N
+                                         during backward, block l's gradients go into slot l % 2; when the
+                                         block is done the comm stream reduce-scatters the slot and one kernel
+                                         adds my part into my gradient shard and zeroes the slot
+
+Rank r owns slice r of every bucket (llmz.layout). All communication goes through llmz.comm; ordering
+between the compute stream and the comm stream is by events only (record on one, wait on the other) —
+never a host synchronisation inside backward.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels.accumulate import accumulate_shard
+from .kernels.adamw import adamw_update
+from .kernels.fill import zero
+from .kernels.norm import NORM_BLOCKS, clip_scale, norm_squared
+from .layout import Layout
+from .optim import AdamW
+
+
+class ZeroStage:
+    """State and step logic shared by the three stages; subclasses say where gradients live."""
+
+    stage = -1
+
+    def __init__(self, layout: Layout, dev, comm, opt: AdamW, params_host: np.ndarray,
+                 overlap: bool = True, tracer=None):
+        self.layout, self.dev, self.comm, self.opt = layout, dev, comm, opt
+        self.rank, self.world_size = comm.rank, comm.world_size
+        assert layout.world_size == self.world_size
+        self.overlap = overlap
+        self.tracer = tracer
+        self.allocated: dict[str, int] = {}          # category -> bytes this object allocated (memory report)
+        self.params = self._alloc("parameters", layout.total)
+        self.params[...] = dev.asarray(params_host, dev.dtype)
+        self.pviews = layout.views(self.params)
+        n_opt = layout.total if self.stage == 0 else layout.shard_total
+        self.m = self._alloc("optimizer_state", n_opt)
+        self.v = self._alloc("optimizer_state", n_opt)
+        self.scalars = dev.zeros(4, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t]
+        self.norm_sq = dev.zeros(1, np.float64)
+        self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
+        self.micro_step, self.grad_accum = 0, 1
+
+    def _alloc(self, category: str, n: int, dtype=None):
+        a = self.dev.zeros(n, dtype=dtype)
+        self.allocated[category] = self.allocated.get(category, 0) + a.nbytes
+        return a
+
+    # ---- ordering between the two streams (no host synchronisation) -----------------------------
+    def comm_waits_for_compute(self) -> None:
+        e = self.dev.event()
+        e.record(self.dev.compute_stream)
+        e.wait(self.dev.comm_stream)
+
+    def compute_waits_for_comm(self) -> None:
+        e = self.dev.event()
+        e.record(self.dev.comm_stream)
+        e.wait(self.dev.compute_stream)
+
+    # ---- the training step -------------------------------------------------------------------------
+    def begin_micro_step(self, micro_step: int, grad_accum: int) -> None:
+        self.micro_step, self.grad_accum = micro_step, grad_accum
+
+    @property
+    def last_micro_step(self) -> bool:
+        return self.micro_step == self.grad_accum - 1
+
+    def reduce_gradients(self) -> None:
+        """After the last micro-step's backward: make the (owned) gradients the average over ranks."""
+        raise NotImplementedError
+
+    def owned_grads(self) -> list:
+        """The pieces of gradient this rank owns after reduce_gradients (for the norm)."""
+        raise NotImplementedError
+
+    def update(self, step: int) -> float:
+        """Norm, clip, AdamW on what this rank owns, then restore full parameters everywhere.
+        Returns the global gradient norm (reading it is the one host synchronisation of the step)."""
+        dev = self.dev
+        # global norm: each rank's sum of squares over what it owns, all-reduced, then the square root
+        for i, g in enumerate(self.owned_grads()):
+            norm_squared(dev, self.norm_sq, g, self.norm_scratch, accumulate=i > 0)
+        if self.stage > 0:
+            self.comm_waits_for_compute()
+            self.comm.all_reduce(self.norm_sq, op="sum")
+            self.compute_waits_for_comm()
+        dev.copy_from_host(self.scalars, np.array(self.opt.scalars(step), dtype=np.float64))
+        clip_scale(dev, self.scalars, self.norm_sq, self.opt.grad_clip)
+        self.adamw()
+        self.gather_parameters()
+        self.zero_grad()
+        return float(np.sqrt(dev.to_host(self.norm_sq)[0]))
+
+    def adamw(self) -> None:
+        raise NotImplementedError
+
+    def gather_parameters(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
+
+    def _adamw_bucket_slices(self, grads_of_bucket):
+        """AdamW on my slice of each bucket; grads_of_bucket(b) gives the gradient slice for bucket b."""
+        L, o, dev = self.layout, self.opt, self.dev
+        for b in L.buckets:
+            s, e = L.shard_range(b, self.rank)
+            at = L.shard_offset(b)
+            n = e - s
+            adamw_update(dev, L.bucket_buffer(self.params, b)[s:e], grads_of_bucket(b),
+                         self.m[at:at + n], self.v[at:at + n], L.shard_decay_size(b, self.rank),
+                         self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
+
+    def _all_gather_parameters(self) -> None:
+        # the comm stream must wait for the AdamW kernels (llm.c's master misses this wait)
+        self.comm_waits_for_compute()
+        for b in self.layout.buckets:
+            self.comm.all_gather(self.layout.bucket_buffer(self.params, b))
+        self.compute_waits_for_comm()
+
+    # ---- memory report --------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        return dict(self.allocated)
+
+
+class Stage0(ZeroStage):
+    """Data parallelism: every rank keeps everything and all-reduces the gradients."""
+
+    stage = 0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.grads = self._alloc("gradients", self.layout.total)
+        self.gviews = self.layout.views(self.grads)
+
+    # the gradient store backward writes into (see llmz.model)
+    def bucket(self, b: int) -> dict:
+        return self.gviews[b]
+
+    def done(self, b: int) -> None:
+        pass
+
+    def reduce_gradients(self) -> None:
+        self.comm_waits_for_compute()
+        for b in self.layout.buckets:
+            self.comm.all_reduce(self.layout.bucket_buffer(self.grads, b), op="avg")
+        self.compute_waits_for_comm()
+
+    def owned_grads(self) -> list:
+        return [self.grads]
+
+    def adamw(self) -> None:
+        o = self.opt
+        for b in self.layout.buckets:
+            adamw_update(self.dev, self.layout.bucket_buffer(self.params, b),
+                         self.layout.bucket_buffer(self.grads, b),
+                         self.m[b.offset:b.offset + b.padded_size], self.v[b.offset:b.offset + b.padded_size],
+                         b.decay_size, self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
+
+    def zero_grad(self) -> None:
+        zero(self.dev, self.grads)
+
+
+class Stage1(Stage0):
+    """Optimizer-state sharding: full gradients accumulate locally; at the last micro-step each bucket is
+    reduce-scattered (my slice = the average over ranks), AdamW updates my shard, all-gather restores."""
+
+    stage = 1
+
+    def reduce_gradients(self) -> None:
+        self.comm_waits_for_compute()
+        for b in self.layout.buckets:
+            self.comm.reduce_scatter(self.layout.bucket_buffer(self.grads, b), op="avg")
+        self.compute_waits_for_comm()
+
+    def my_grad_slice(self, b):
+        """After the in-place reduce-scatter, my averaged slice of bucket b inside the full buffer."""
+        s, e = self.layout.shard_range(b, self.rank)
+        return self.layout.bucket_buffer(self.grads, b)[s:e]
+
+    def owned_grads(self) -> list:
+        return [self.my_grad_slice(b) for b in self.layout.buckets]
+
+    def adamw(self) -> None:
+        self._adamw_bucket_slices(self.my_grad_slice)
+
+    def gather_parameters(self) -> None:
+        self._all_gather_parameters()
+
+
+class Stage2(ZeroStage):
+    """Gradient sharding: each rank keeps only its gradient shard, plus two block slots and the
+    embedding (and final layernorm) gradients, which are reduce-scattered as soon as backward completes
+    them. Every micro-step reduce-scatters (K micro-steps: K reduce-scatters)."""
+
+    stage = 2
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        L = self.layout
+        self.grad_shard = self._alloc("gradients", L.shard_total)          # persistent, my slice of all
+        slot_size = max(b.padded_size for b in L.buckets[1:-1])
+        self.slots = [self._alloc("gradients", slot_size) for _ in range(2)]
+        self.emb_grads = self._alloc("gradients", L.embeddings.padded_size)
+        self.lnf_grads = self._alloc("gradients", L.lnf.padded_size)
+        # an event per reusable buffer: recorded on the comm stream once the buffer is zeroed again
+        self.free = {}
+        self.reduce_scatters_in_backward = 0
+
+    def _buffer(self, b: int):
+        L = self.layout
+        if b == 0:
+            return self.emb_grads
+        if b == len(L.buckets) - 1:
+            return self.lnf_grads
+        return self.slots[(b - 1) % 2]          # block l = bucket l+1 uses slot l % 2
+
+    def _key(self, b: int):
+        L = self.layout
+        return "emb" if b == 0 else "lnf" if b == len(L.buckets) - 1 else (b - 1) % 2
+
+    # the gradient store backward writes into (see llmz.model)
+    def bucket(self, b: int) -> dict:
+        ev = self.free.pop(self._key(b), None)
+        if ev is not None:
+            ev.wait(self.dev.compute_stream)   # the comm stream has drained and zeroed this buffer
+        if self.tracer:
+            self.tracer.begin(self.layout.buckets[b].name, "compute")
+        return self.layout.buckets[b].views(self._buffer(b))
+
+    def done(self, b: int) -> None:
+        """Bucket b's gradients are complete: reduce-scatter it on the comm stream and accumulate my part."""
+        dev, L = self.dev, self.layout
+        bucket = L.buckets[b]
+        buf = self._buffer(b)[:bucket.padded_size]
+        if self.tracer:
+            self.tracer.end(bucket.name, "compute")
+        self.comm_waits_for_compute()
+        if self.tracer:
+            self.tracer.begin(f"reduce-scatter {bucket.name}", "comm")
+        self.comm.reduce_scatter(buf, op="avg")
+        at = L.shard_offset(bucket)
+        accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
+                         stream=dev.comm_stream)
+        if self.tracer:
+            self.tracer.end(f"reduce-scatter {bucket.name}", "comm")
+        self.reduce_scatters_in_backward += 1
+        ev = dev.event()
+        ev.record(dev.comm_stream)
+        if self.overlap:
+            self.free[self._key(b)] = ev        # compute waits only before it reuses the buffer
+        else:
+            ev.wait(dev.compute_stream)        # serialised: compute waits right away
+
+    def reduce_gradients(self) -> None:
+        # everything was reduce-scattered during backward; the optimizer must wait for the last of it
+        self.compute_waits_for_comm()
+
+    def owned_grads(self) -> list:
+        return [self.grad_shard]
+
+    def adamw(self) -> None:
+        L = self.layout
+        self._adamw_bucket_slices(
+            lambda b: self.grad_shard[L.shard_offset(b):L.shard_offset(b) + b.shard_size])
+
+    def gather_parameters(self) -> None:
+        self._all_gather_parameters()
+
+    def zero_grad(self) -> None:
+        zero(self.dev, self.grad_shard)
+
+
+STAGES = {0: Stage0, 1: Stage1, 2: Stage2}
+
+
+def make_stage(stage: int, *args, **kw) -> ZeroStage:
+    return STAGES[stage](*args, **kw)

@@ -1,0 +1,57 @@
+"""Start `mpiexec -n N python ...` from a test, with a timeout so a hung collective fails the test.
+
+    from mpirun import run_mpi
+    out = run_mpi(2, ["tests/mpi_comm_worker.py", "collectives"])
+    assert out.returncode == 0, out.stderr
+
+The child runs in the repository root with the repo on PYTHONPATH, and with the CUDA simulator switched on
+when no GPU is visible. No mpiexec (neither beside this Python, where the mpich wheel puts it, nor on PATH):
+the test is skipped.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n nproc python *args`, capturing stdout and stderr (text). A run that outlasts
+    `timeout` seconds is killed, with every process it started, and fails the calling test."""
+    from llmz.device import gpu_available
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    child_env = dict(os.environ)
+    if not gpu_available():
+        child_env["NUMBA_ENABLE_CUDASIM"] = "1"
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), child_env.get("PYTHONPATH")) if p)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.update(env or {})
+    cmd = [mpiexec, "-n", str(nproc), sys.executable, *args]
+    # a session of its own, so a timeout can kill mpiexec, its proxies and every rank together
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[1:])} still running after {timeout} s (killed)\n"
+                    f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -1,0 +1,115 @@
+"""Attention: the kernels against the NumPy reference, the reference against finite differences, causality."""
+import numpy as np
+import pytest
+from helpers import finite_diff, poisoned, rel_err
+
+from llmz.kernels.attention import (
+    attention_backward,
+    attention_backward_ref,
+    attention_forward,
+    attention_forward_ref,
+)
+
+B, T, C, NH = 2, 5, 12, 3          # head size 4
+
+
+def _forward_ref(inp, NH):
+    """float64 reference forward: (out, preatt, att)."""
+    B, T, C3 = inp.shape
+    out, preatt, att = np.empty((B, T, C3 // 3)), np.empty((B, NH, T, T)), np.empty((B, NH, T, T))
+    attention_forward_ref(out, preatt, att, inp, NH)
+    return out, preatt, att
+
+
+def _forward_kernel(kdev, inp, NH):
+    """float32 kernel forward on poisoned outputs: (out, preatt, att) on the host."""
+    B, T, C3 = inp.shape
+    out, preatt, att = poisoned(kdev, (B, T, C3 // 3)), poisoned(kdev, (B, NH, T, T)), poisoned(kdev, (B, NH, T, T))
+    attention_forward(kdev, out, preatt, att, kdev.asarray(inp, np.float32), NH)
+    return tuple(kdev.to_host(x) for x in (out, preatt, att))
+
+
+def test_attention_forward_kernel_matches_reference(kdev, rng):
+    inp = rng.normal(size=(B, T, 3 * C))
+    got = _forward_kernel(kdev, inp, NH)
+    want = _forward_ref(inp, NH)
+    # float32 inputs, dot products of 4 terms, float32 exp and sums of at most 5 terms: a few ulps
+    for name, g, w in zip(("out", "preatt", "att"), got, want):
+        assert rel_err(g, w) < 1e-6, name
+    # above the diagonal: exactly 0 in preatt and att; each att row sums to 1
+    upper = np.triu(np.ones((T, T), dtype=bool), k=1)
+    assert np.all(got[1][..., upper] == 0) and np.all(got[2][..., upper] == 0)
+    assert np.allclose(got[2].sum(axis=-1), 1, atol=1e-6)
+
+
+def test_attention_softmax_kernel_subtracts_the_max_so_large_scores_stay_finite(kdev, rng):
+    inp = rng.normal(size=(B, T, 3 * C)) * 30          # scores of order 1e3: exp would overflow float32
+    got = _forward_kernel(kdev, inp, NH)
+    want = _forward_ref(inp, NH)
+    assert np.all(np.isfinite(got[2])) and np.allclose(got[2].sum(axis=-1), 1, atol=1e-6)
+    # scores ~1e3 rounded to float32 carry absolute errors ~1e-4 into the exponent
+    assert rel_err(got[2], want[2]) < 1e-3
+
+
+def test_attention_backward_kernel_matches_reference_and_overwrites_scratch(kdev, rng):
+    inp = rng.normal(size=(B, T, 3 * C))
+    dout = rng.normal(size=(B, T, C))
+    att = _forward_ref(inp, NH)[2]
+    dinp0 = rng.normal(size=inp.shape)                     # dinp accumulates: start non-zero
+    dinp = kdev.asarray(dinp0, np.float32)
+    dpreatt, datt = poisoned(kdev, att.shape), poisoned(kdev, att.shape)    # scratch: overwritten
+    attention_backward(kdev, dinp, dpreatt, datt, kdev.asarray(dout, np.float32),
+                       kdev.asarray(inp, np.float32), kdev.asarray(att, np.float32), NH)
+    rdinp, rdpreatt, rdatt = dinp0.copy(), np.empty(att.shape), np.empty(att.shape)
+    attention_backward_ref(rdinp, rdpreatt, rdatt, dout, inp, att, NH)
+    # float32 inputs, sums of at most 5 terms per step: a few ulps
+    assert rel_err(kdev.to_host(dinp), rdinp) < 1e-6
+    assert rel_err(kdev.to_host(datt), rdatt) < 1e-6
+    assert rel_err(kdev.to_host(dpreatt), rdpreatt) < 1e-6
+
+
+def test_attention_reference_backward_matches_finite_differences(rng):
+    inp = rng.normal(size=(B, T, 3 * C))
+    dout = rng.normal(size=(B, T, C))
+    att = _forward_ref(inp, NH)[2]
+    dinp = np.zeros_like(inp)
+    attention_backward_ref(dinp, np.empty(att.shape), np.empty(att.shape), dout, inp, att, NH)
+    idx, g = finite_diff(lambda x: _forward_ref(x, NH)[0], inp, dout)
+    assert rel_err(dinp.reshape(-1)[idx], g) < 1e-6
+
+
+@pytest.mark.parametrize("t", [0, 2])
+def test_attention_output_at_t_does_not_depend_on_later_positions(kdev, rng, t):
+    inp = rng.normal(size=(B, T, 3 * C))
+    later = inp.copy()
+    later[:, t + 1:] = rng.normal(size=later[:, t + 1:].shape) * 10    # change q, k, v after position t
+    for run in (lambda x: _forward_ref(x, NH), lambda x: _forward_kernel(kdev, x, NH)):
+        a, b = run(inp)[0], run(later)[0]
+        # positions <= t see exactly the same numbers in the same order: bit-identical
+        assert np.array_equal(a[:, :t + 1], b[:, :t + 1])
+        assert not np.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+# ---- real GPU, GPT-2 124M sizes -------------------------------------------------------------------
+@pytest.mark.gpu
+def test_attention_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
+    B, T, C, NH = 4, 1024, 768, 12
+    inp = rng.normal(size=(B, T, 3 * C)).astype(np.float32)
+    dout = rng.normal(size=(B, T, C)).astype(np.float32)
+    got = _forward_kernel(kdev, inp, NH)
+    want = _forward_ref(inp.astype(np.float64), NH)
+    err = {name: rel_err(g, w) for name, g, w in zip(("out", "preatt", "att"), got, want)}
+    att32 = got[2]
+    del got
+    dinp = kdev.zeros(inp.shape)
+    dpreatt, datt = poisoned(kdev, att32.shape), poisoned(kdev, att32.shape)
+    attention_backward(kdev, dinp, dpreatt, datt, kdev.asarray(dout), kdev.asarray(inp), kdev.asarray(att32), NH)
+    rdinp, rdpreatt, rdatt = np.zeros(inp.shape), np.empty(att32.shape), np.empty(att32.shape)
+    # the reference backward starts from the kernel's float32 att, so only the backward's own error is measured
+    attention_backward_ref(rdinp, rdpreatt, rdatt, dout.astype(np.float64), inp.astype(np.float64),
+                           att32.astype(np.float64), NH)
+    for name, g, w in zip(("dinp", "dpreatt", "datt"), (dinp, dpreatt, datt), (rdinp, rdpreatt, rdatt)):
+        err[name] = rel_err(kdev.to_host(g), w)
+    print(f"attention B={B} T={T} C={C} NH={NH}: relative error vs float64 {err}; worst {max(err.values()):.2e}")
+    # float32 storage of every intermediate; dot products of 64 terms and row sums of up to 1024 in float64
+    assert max(err.values()) < 1e-5

@@ -1,0 +1,112 @@
+"""Matmul: the tiled kernels against the NumPy reference, the reference against finite differences.
+Sizes are not multiples of TILE=16, so every tile loop meets a ragged edge."""
+import numpy as np
+import pytest
+from helpers import finite_diff, poisoned, rel_err
+
+from llmz.kernels.matmul import (
+    gemm_tiled,
+    matmul_backward,
+    matmul_backward_ref,
+    matmul_forward,
+    matmul_forward_ref,
+)
+
+B, T, C, OC = 2, 3, 20, 18
+
+
+def _inputs(rng, B, T, C, OC):
+    """float64 host inputs: inp (B,T,C), weight (OC,C), bias (OC,), dout (B,T,OC)."""
+    return (rng.normal(size=(B, T, C)), rng.normal(size=(OC, C)) * 0.5, rng.normal(size=(OC,)),
+            rng.normal(size=(B, T, OC)))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_forward_kernel_matches_reference(kdev, rng, with_bias):
+    inp, weight, bias, _ = _inputs(rng, B, T, C, OC)
+    bias = bias if with_bias else None
+    out = poisoned(kdev, (B, T, OC))
+    matmul_forward(kdev, out, kdev.asarray(inp, np.float32), kdev.asarray(weight, np.float32),
+                   None if bias is None else kdev.asarray(bias, np.float32))
+    ref = np.empty((B, T, OC))
+    matmul_forward_ref(ref, inp, weight, bias)
+    # float32 inputs rounded once, products summed over C=20: a few ulps
+    assert rel_err(kdev.to_host(out), ref) < 1e-6
+
+
+def test_matmul_forward_kernel_is_exact_in_float64(kdev, rng):
+    inp, weight, bias, _ = _inputs(rng, B, T, C, OC)
+    out = poisoned(kdev, (B, T, OC), np.float64)
+    matmul_forward(kdev, out, kdev.asarray(inp), kdev.asarray(weight), kdev.asarray(bias))
+    ref = np.empty((B, T, OC))
+    matmul_forward_ref(ref, inp, weight, bias)
+    # the same sums in float64, only in another order
+    assert rel_err(kdev.to_host(out), ref) < 1e-14
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_backward_kernel_matches_reference_and_accumulates(kdev, rng, with_bias):
+    inp, weight, _, dout = _inputs(rng, B, T, C, OC)
+    # backward accumulates: every gradient starts from random non-zero values
+    dinp0, dweight0, dbias0 = rng.normal(size=inp.shape), rng.normal(size=weight.shape), rng.normal(size=OC)
+    dinp, dweight = kdev.asarray(dinp0, np.float32), kdev.asarray(dweight0, np.float32)
+    dbias = kdev.asarray(dbias0, np.float32) if with_bias else None
+    matmul_backward(kdev, dinp, dweight, dbias, kdev.asarray(dout, np.float32), kdev.asarray(inp, np.float32),
+                    kdev.asarray(weight, np.float32))
+    rdinp, rdweight, rdbias = dinp0.copy(), dweight0.copy(), dbias0.copy() if with_bias else None
+    matmul_backward_ref(rdinp, rdweight, rdbias, dout, inp, weight)
+    # float32 rounding of inputs and of the accumulated result, sums of at most 18 terms: a few ulps
+    assert rel_err(kdev.to_host(dinp), rdinp) < 1e-6
+    assert rel_err(kdev.to_host(dweight), rdweight) < 1e-6
+    if with_bias:
+        assert rel_err(kdev.to_host(dbias), rdbias) < 1e-6
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_tiled_kernel_matches_numpy_for_every_transpose(kdev, rng, trans_a, trans_b):
+    M, N, K = 17, 5, 19                       # each one past a tile edge (17 rows: two row tiles)
+    a = rng.normal(size=(K, M) if trans_a else (M, K))
+    b = rng.normal(size=(N, K) if trans_b else (K, N))
+    c = poisoned(kdev, (M, N))
+    gemm_tiled(kdev, c, kdev.asarray(a, np.float32), kdev.asarray(b, np.float32), trans_a, trans_b)
+    ref = (a.T if trans_a else a) @ (b.T if trans_b else b)
+    # float32 inputs, sums of 19 products: a few ulps
+    assert rel_err(kdev.to_host(c), ref) < 1e-6
+
+
+def test_matmul_reference_backward_matches_finite_differences(rng):
+    inp, weight, bias, dout = _inputs(rng, 2, 3, 5, 4)
+    dinp, dweight, dbias = np.zeros_like(inp), np.zeros_like(weight), np.zeros_like(bias)
+    matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight)
+
+    def forward(inp, weight, bias):
+        out = np.empty(dout.shape)
+        matmul_forward_ref(out, inp, weight, bias)
+        return out
+    for x, grad, f in [(inp, dinp, lambda x: forward(x, weight, bias)),
+                       (weight, dweight, lambda x: forward(inp, x, bias)),
+                       (bias, dbias, lambda x: forward(inp, weight, x))]:
+        idx, g = finite_diff(f, x, dout)
+        assert rel_err(grad.reshape(-1)[idx], g) < 1e-6
+
+
+# ---- real GPU, GPT-2 124M sizes -------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,OC", [(4, 1024, 768, 768), (4, 1024, 768, 3 * 768), (4, 1024, 768, 50304)])
+def test_matmul_kernels_match_float64_reference_at_gpt2_size(kdev, rng, B, T, C, OC):
+    inp, weight, bias, dout = (x.astype(np.float32) for x in _inputs(rng, B, T, C, OC))
+    out = poisoned(kdev, (B, T, OC))
+    matmul_forward(kdev, out, kdev.asarray(inp), kdev.asarray(weight), kdev.asarray(bias))
+    ref = np.empty((B, T, OC))
+    matmul_forward_ref(ref, *(x.astype(np.float64) for x in (inp, weight, bias)))
+    err = {"out": rel_err(kdev.to_host(out), ref)}
+    del out, ref
+    dinp, dweight, dbias = kdev.zeros(inp.shape), kdev.zeros(weight.shape), kdev.zeros(bias.shape)
+    matmul_backward(kdev, dinp, dweight, dbias, kdev.asarray(dout), kdev.asarray(inp), kdev.asarray(weight))
+    r = [np.zeros(x.shape) for x in (inp, weight, bias)]
+    matmul_backward_ref(*r, *(x.astype(np.float64) for x in (dout, inp, weight)))
+    for name, got, want in zip(("dinp", "dweight", "dbias"), (dinp, dweight, dbias), r):
+        err[name] = rel_err(kdev.to_host(got), want)
+    print(f"matmul B={B} T={T} C={C} OC={OC}: relative error vs float64 {err}; worst {max(err.values()):.2e}")
+    # float32 inputs; each product rounded to float32 and summed over up to B*T=4096 terms in float64
+    assert max(err.values()) < 1e-5
