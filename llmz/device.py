@@ -111,10 +111,15 @@ class Device:
         self.block_size = 32 if self.kind == "sim" else 256
         if self.kind == "gpu":
             import cupy
+            # ranks beyond the GPU count share GPUs (then only --comm mpi works: NCCL refuses)
+            gpu_index %= cupy.cuda.runtime.getDeviceCount()
             cupy.cuda.Device(gpu_index).use()
             self.xp = cupy
             self.compute_stream = _GpuStream("compute")
             self.comm_stream = _GpuStream("comm")
+            # every CuPy operation (allocation, memset, copy, cuBLAS) now runs on the compute stream, in
+            # order with the Numba kernels: no race with work on the legacy default stream
+            self.compute_stream.cupy.use()
         else:
             self.xp = np
             self.compute_stream = _NoStream("compute")

@@ -162,7 +162,9 @@ class Run:
 
     def mean_over_ranks(self, x: float) -> float:
         buf = self.dev.asarray(np.array([x], dtype=np.float64))
+        self.zero.comm_waits_for_compute()
         self.comm.all_reduce(buf, op="avg")
+        self.zero.compute_waits_for_comm()
         return float(self.dev.to_host(buf)[0])
 
     def val_loss(self, batches: int) -> float:

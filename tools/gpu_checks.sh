@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
+#   tools/gpu_checks.sh tests|bench|stages|all     (writes logs under $OUT when set, else ./out)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+MPIEXEC="mpiexec --allow-run-as-root --oversubscribe"
+what=${1:-all}
+py=python3
+run() { echo "+ $*"; "$@"; }
+if [[ $what == tests || $what == all ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $py -c "import numpy, numba, numba_cuda, cupy; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__)"
+  # every kernel test on the real GPU (small shapes), then the GPU-marked ones at GPT-2 sizes
+  run timeout 300 $py -m pytest -q -x -s -p no:cacheprovider tests -m "not mpi" --deselect tests/test_model.py::test_d12_loss_and_gradients_on_gpu_match_float64_reference 2>&1 | tee "$OUT/gpu_tests.txt" | grep -E "worst|rel|error|passed|failed|PASS|FAIL|Error" | head -80
+fi
+if [[ $what == d12 || $what == all ]]; then
+  run timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k d12 2>&1 | tee "$OUT/gpu_d12.txt" | tail -30
+fi
+if [[ $what == bench || $what == all ]]; then
+  run timeout 200 $py -m llmz.bench --device gpu --model d12 -b 4 -t 1024 --steps 3 --warmup 1 2>&1 | tee "$OUT/bench_d12.txt"
+fi
+if [[ $what == stages || $what == all ]]; then
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  run timeout 120 $py -m llmz.train $F --log "$OUT/single.jsonl" 2>&1 | tail -4
+  for s in 0 1 2; do
+    run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --zero-stage $s --comm nccl --log "$OUT/nccl1_s$s.jsonl" 2>&1 | tail -2
+  done
+  F2="--device gpu --model d12 -b 2 -t 1024 --steps 10 --val-every 0 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  for s in 0 1 2; do
+    run timeout 200 $MPIEXEC -n 2 $py -m llmz.train $F2 --zero-stage $s --comm mpi --log "$OUT/mpi2_s$s.jsonl" 2>&1 | tail -2
+  done
+fi
