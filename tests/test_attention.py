@@ -1,8 +1,8 @@
 """Attention: the kernels against the NumPy reference, the reference against finite differences, causality."""
 import numpy as np
 import pytest
-from helpers import finite_diff, poisoned, rel_err
 
+from helpers import finite_diff, poisoned, rel_err
 from llmz.kernels.attention import (
     attention_backward,
     attention_backward_ref,

@@ -2,8 +2,8 @@
 Sizes are not multiples of TILE=16, so every tile loop meets a ragged edge."""
 import numpy as np
 import pytest
-from helpers import finite_diff, poisoned, rel_err
 
+from helpers import finite_diff, poisoned, rel_err
 from llmz.kernels.matmul import (
     gemm_tiled,
     matmul_backward,
@@ -68,7 +68,7 @@ def test_gemm_tiled_kernel_matches_numpy_for_every_transpose(kdev, rng, trans_a,
     a = rng.normal(size=(K, M) if trans_a else (M, K))
     b = rng.normal(size=(N, K) if trans_b else (K, N))
     c = poisoned(kdev, (M, N))
-    gemm_tiled(kdev, c, kdev.asarray(a, np.float32), kdev.asarray(b, np.float32), trans_a, trans_b)
+    gemm_tiled(kdev, c, kdev.asarray(a, np.float32), kdev.asarray(b, np.float32), trans_a, trans_b, False)
     ref = (a.T if trans_a else a) @ (b.T if trans_b else b)
     # float32 inputs, sums of 19 products: a few ulps
     assert rel_err(kdev.to_host(c), ref) < 1e-6

@@ -6,7 +6,8 @@
 All three products are one generic product  c (+)= op(a) @ op(b)  with op(x) = x or x.T, done by
 `gemm_tiled` (the teaching version: TILE x TILE tiles staged through shared memory). A cuBLAS version
 (`gemm_cublas`, through CuPy) can sit beside it with the same arguments; the layer functions are the only
-callers.
+callers. The bias is added by its own kernel, as in llm.c's dev/cuda/matmul_forward.cu, so the tiled and the
+cuBLAS products can share it (and a Numba kernel on the GPU cannot take None for an absent bias).
 """
 import numpy as np
 from numba import cuda
@@ -44,9 +45,9 @@ def matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight):
 
 # ---- Numba kernels ------------------------------------------------------------------------------
 @cuda.jit
-def gemm_tiled_kernel(c, a, b, bias, trans_a, trans_b, accumulate):
-    # c (M,N) = op(a) @ op(b) (+ bias), or += that when `accumulate`; op(a) is (M,K), op(b) is (K,N),
-    # so a is (M,K), or (K,M) when trans_a; b is (K,N), or (N,K) when trans_b; bias (N,) or None.
+def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate):
+    # c (M,N) = op(a) @ op(b), or += that when `accumulate`; op(a) is (M,K), op(b) is (K,N),
+    # so a is (M,K), or (K,M) when trans_a; b is (K,N), or (N,K) when trans_b.
     # Block (bx, by) computes the tile c[by*TILE:(by+1)*TILE, bx*TILE:(bx+1)*TILE]; thread (tx, ty) one element.
     M, N = c.shape
     K = a.shape[0] if trans_a else a.shape[1]
@@ -56,7 +57,7 @@ def gemm_tiled_kernel(c, a, b, bias, trans_a, trans_b, accumulate):
     ty = cuda.threadIdx.y
     row0 = cuda.blockIdx.y * TILE
     col0 = cuda.blockIdx.x * TILE
-    acc = 0.0
+    acc = 0.0           # Numba types this float64: products of the tiles are summed in double
     for k0 in range(0, K, TILE):
         # stage a_tile = op(a)[row0:+TILE, k0:+TILE] and b_tile = op(b)[k0:+TILE, col0:+TILE], zero past the
         # edges; on a transposed operand the threads swap roles so that consecutive tx read consecutive addresses
@@ -80,13 +81,20 @@ def gemm_tiled_kernel(c, a, b, bias, trans_a, trans_b, accumulate):
     i = row0 + ty
     j = col0 + tx
     if i < M and j < N:
-        # bias, then overwrite or accumulate (an overwritten c is never read: it may hold NaN)
-        if bias is not None:
-            acc += bias[j]
+        # overwrite or accumulate (an overwritten c is never read: it may hold NaN)
         if accumulate:
             c[i, j] += acc
         else:
             c[i, j] = acc
+
+
+@cuda.jit
+def matmul_bias_kernel(out, bias):
+    # out (N,OC) += bias (OC,), broadcast over rows. One thread per element of out.
+    idx = cuda.grid(1)
+    N, OC = out.shape
+    if idx < N * OC:
+        out[idx // OC, idx % OC] += bias[idx % OC]
 
 
 @cuda.jit
@@ -103,12 +111,12 @@ def matmul_dbias_kernel(dbias, dout):
 
 
 # ---- the products: one function each way of computing them ----------------------------------------
-def gemm_tiled(dev, c, a, b, trans_a: bool, trans_b: bool, bias=None, accumulate: bool = False) -> None:
-    """c (M,N) = op(a) @ op(b) (+ bias (N,)), overwriting c, or accumulating (+=) when `accumulate`.
+def gemm_tiled(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool) -> None:
+    """c (M,N) = op(a) @ op(b), overwriting c, or accumulating (+=) when `accumulate`.
     a, b, c are contiguous 2-D arrays; op(x) is x.T when trans_x."""
     M, N = c.shape
     dev.launch(gemm_tiled_kernel, (ceil_div(N, TILE), ceil_div(M, TILE)), (TILE, TILE),
-               c, a, b, bias, trans_a, trans_b, accumulate)
+               c, a, b, trans_a, trans_b, accumulate)
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
@@ -117,7 +125,12 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
     if not dev.kernels:
         return matmul_forward_ref(out, inp, weight, bias)
     OC, C = weight.shape
-    gemm_tiled(dev, out.reshape(-1, OC), inp.reshape(-1, C), weight, False, True, bias)
+    out2 = out.reshape(-1, OC)
+    # out (N,OC) = inp (N,C) @ weight.T (C,OC)
+    gemm_tiled(dev, out2, inp.reshape(-1, C), weight, False, True, False)
+    # out += bias
+    if bias is not None:
+        dev.launch(matmul_bias_kernel, ceil_div(out2.size, dev.block_size), dev.block_size, out2, bias)
 
 
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight) -> None:
@@ -129,9 +142,9 @@ def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight) -> None:
     dout2 = dout.reshape(-1, OC)
     inp2 = inp.reshape(-1, C)
     # dinp (N,C) += dout (N,OC) @ weight (OC,C)
-    gemm_tiled(dev, dinp.reshape(-1, C), dout2, weight, False, False, None, True)
+    gemm_tiled(dev, dinp.reshape(-1, C), dout2, weight, False, False, True)
     # dweight (OC,C) += dout.T (OC,N) @ inp (N,C)
-    gemm_tiled(dev, dweight, dout2, inp2, True, False, None, True)
+    gemm_tiled(dev, dweight, dout2, inp2, True, False, True)
     # dbias (OC,) += column sums of dout
     if dbias is not None:
         dev.launch(matmul_dbias_kernel, ceil_div(OC, dev.block_size), dev.block_size, dbias, dout2)
