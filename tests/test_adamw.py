@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from helpers import rel_err
 
+from helpers import rel_err
 from llmz.kernels.adamw import adamw_update, adamw_update_ref
 
 BETA1, BETA2, EPS, WD = 0.9, 0.95, 1e-8, 0.1

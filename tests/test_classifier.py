@@ -2,8 +2,8 @@
 reference, padded columns that never matter, the reference backward against finite differences."""
 import numpy as np
 import pytest
-from helpers import finite_diff, poisoned, rel_err
 
+from helpers import finite_diff, poisoned, rel_err
 from llmz.kernels.classifier import (
     classifier_backward,
     classifier_backward_ref,

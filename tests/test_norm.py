@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from helpers import poisoned
 
+from helpers import poisoned
 from llmz.kernels.norm import (
     NORM_BLOCKS,
     clip_scale,
