@@ -46,7 +46,7 @@ class Tracer:
         return (mark - self.t0) * 1e6
 
     def stop(self, path: str) -> dict:
-        """Write the Chrome trace to `path` and a PNG beside it; return the trace dict."""
+        """Rank 0 writes the Chrome trace to `path` and a PNG beside it; every rank returns its trace dict."""
         self.active = False
         self.dev.synchronize()
         events = []
@@ -55,6 +55,8 @@ class Tracer:
             events.append({"name": name, "ph": "X", "ts": ts, "dur": max(te - ts, 0.0), "pid": self.rank,
                            "tid": stream, "cat": "comm" if stream == "comm" else "backward"})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if self.rank != 0:                      # every rank traces; rank 0's timeline is written
+            return trace
         write_atomic_text(path, json.dumps(trace, indent=1))
         png = os.path.splitext(path)[0] + ".png"
         plot_png(events, png, f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)")
