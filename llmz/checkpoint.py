@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from .bf16 import bf16_to_f32, f32_to_bf16
 from .config import GPT2Config
 from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size
 from .errors import LlmzError
@@ -22,24 +23,6 @@ from .layout import Layout
 MODEL_MAGIC = 20240326
 MODEL_VERSIONS = {3: "fp32", 5: "bf16"}
 VERSION_OF = {"fp32": 3, "bf16": 5}
-
-
-# ---- bfloat16 on the host ----------------------------------------------------------------------------------
-def f32_to_bf16(x) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16): the upper 16 bits, rounded to nearest, ties to even.
-    NaN stays NaN (quiet, sign kept); values beyond bf16's range round to +-inf, as IEEE rounding does."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
-    # add 0x7FFF plus the lowest kept bit, then truncate: round half to even on the dropped 16 bits
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    # NaN: keep the sign and the top mantissa bits, force the quiet bit so it cannot round to inf
-    nan = (bits >> 16) | 0x0040
-    return np.where(np.isnan(x), nan, rounded).astype(np.uint16)
-
-
-def bf16_to_f32(b) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32, exactly (bf16 is float32 with the low 16 bits zero)."""
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 # ---- model files ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.errors import LlmzError
 from llmz.launch import RankInfo
 
@@ -58,18 +59,6 @@ def nccl_dtype(dtype) -> int:
     if is_bf16(dtype):
         return NCCL_BFLOAT16
     raise ValueError(f"no NCCL reduction for dtype {dtype}")
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bits -> float32 (exact: bf16 is the top half of a float32)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> uint16 bf16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
-    u = x.view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
 def split_counts(size: int, n: int) -> tuple[list[int], list[int]]:

@@ -9,13 +9,18 @@ ONE kernel does both (llm.c PR #593 review: fuse the memset into the vector add)
 element reads it, adds it to the shard if it is this rank's, and writes the zero. Every element of the slot
 is read and written by exactly one thread, so the order cannot matter.
 
-This version adds in the shard's own dtype (float32 or float64: an exact IEEE add). The bf16 shard with
-stochastic rounding (llm.c's reason: many micro-steps of small bf16 adds would otherwise round to nothing)
-goes in its own kernel below the fp32 one, with its own reference; `accumulate_shard` picks it by dtype.
+`accumulate_shard` adds in the shard's own dtype (float32 or float64: one IEEE add). `accumulate_shard_bf16`
+is the same kernel for bf16 shard and slot (uint16 bit patterns): it adds in fp32 and rounds the sum back to
+bf16 stochastically (llm.c's reason, PR #593: over many micro-steps the accumulated gradient grows and each new
+small gradient falls below half a bf16 ulp; round-to-nearest would drop it every time, stochastic rounding
+keeps the sum right in expectation), or to nearest for comparison. The rounding is llmz.kernels.bf16's.
 """
+import numpy as np
 from numba import cuda
 
+from ..bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
 from ..device import ceil_div
+from .bf16 import bf16_to_f32_dev, hash_args, round_bf16
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -42,17 +47,60 @@ def accumulate_shard_kernel(shard, slot, rank, n, total):
         slot[i] = 0
 
 
-# ---- bf16 shard with stochastic rounding: not written yet (its kernel, reference and tests go here) ----
+# ---- bf16 shard and slot (uint16 bits): add in fp32, round back stochastically -----------------------
+def accumulate_shard_bf16_ref(shard, slot, rank, seed, step, stochastic=True, offset=0):
+    """shard: (n,) uint16; slot: (N*n,) uint16. shard = bf16(shard + slot[rank*n:(rank+1)*n]) (accumulates);
+    slot = 0 (overwrites). Shard element j draws its random word at hash index offset + j."""
+    n = shard.size
+    # add in fp32
+    total = bf16_to_f32(shard) + bf16_to_f32(slot[rank * n:(rank + 1) * n])
+    # round back to bf16
+    shard[...] = f32_to_bf16_stochastic(total, seed, step, offset) if stochastic else f32_to_bf16(total)
+    # zero the slot for the next block that uses it
+    slot[...] = 0
+
+
+@cuda.jit
+def accumulate_shard_bf16_kernel(shard, slot, rank, n, total, stochastic, seed, step, offset):
+    """shard: (n,) uint16; slot: (total,) = (N*n,) uint16. Accumulates into shard, overwrites slot."""
+    i = cuda.grid(1)
+    if i < total:
+        j = i - rank * n
+        if 0 <= j < n:
+            # this rank's part: add in fp32, round back to bf16
+            s = bf16_to_f32_dev(shard[j]) + bf16_to_f32_dev(slot[i])
+            shard[j] = round_bf16(s, stochastic, seed, offset + np.uint64(j), step)
+        # every element: zero it
+        slot[i] = 0
 
 
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+def _check_split(n, total, rank):
+    if total % n or not 0 <= rank < total // n:
+        raise ValueError(f"slot of {total} elements does not hold rank {rank}'s shard of {n}")
+
+
 def accumulate_shard(dev, shard, slot, rank, stream=None):
     """shard: (n,); slot: (N*n,). shard += slot[rank*n:(rank+1)*n]; slot = 0. One kernel, no memset.
     stream: where it runs (default the compute stream; ZeRO-2 runs it on the comm stream)."""
     n, total = shard.size, slot.size
-    if total % n or not 0 <= rank < total // n:
-        raise ValueError(f"slot of {total} elements does not hold rank {rank}'s shard of {n}")
+    _check_split(n, total, rank)
     if not dev.kernels:
         return accumulate_shard_ref(shard, slot, rank)
     dev.launch(accumulate_shard_kernel, ceil_div(total, dev.block_size), dev.block_size,
                shard, slot, rank, n, total, stream=stream)
+
+
+def accumulate_shard_bf16(dev, shard_u16, slot_u16, rank, seed, step, stochastic=True, stream=None, offset=0):
+    """shard_u16: (n,); slot_u16: (N*n,), bf16 bits. shard = bf16(shard + slot[rank*n:(rank+1)*n]), the sum
+    taken in fp32 and rounded stochastically (or to nearest); slot = 0. One kernel, no memset.
+    The random word of shard element j is that of (seed, offset + j, step): pass a different step every
+    micro-step, and an offset that places the shard in the whole gradient buffer so no two elements share
+    draws. stream: as in accumulate_shard."""
+    n, total = shard_u16.size, slot_u16.size
+    _check_split(n, total, rank)
+    if not dev.kernels:
+        return accumulate_shard_bf16_ref(shard_u16, slot_u16, rank, seed, step, stochastic, offset)
+    dev.launch(accumulate_shard_bf16_kernel, ceil_div(total, dev.block_size), dev.block_size,
+               shard_u16, slot_u16, rank, n, total, bool(stochastic), *hash_args(seed, step, offset),
+               stream=stream)

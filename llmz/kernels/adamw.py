@@ -10,13 +10,25 @@ float64 device array, `scalars` = [lr, grad_scale, 1 - beta1^t, 1 - beta2^t], no
 kernel launch then never changes between steps, so the whole step can be captured once as a CUDA graph and
 replayed (the clipping factor is even computed on the device, by norm.clip_scale). beta1, beta2, eps and
 weight_decay are fixed for a run and stay plain arguments.
+
+bf16 training (`adamw_update_bf16`): the parameters the model reads are bf16 (uint16 bit patterns), the
+gradients too; the optimizer keeps an fp32 master copy of the parameters besides m and v, updates the
+master with the same formula, and writes the bf16 parameter by rounding the new master stochastically (llm.c's
+adamw_kernel3), so updates smaller than half a bf16 ulp still move the bf16 weights in expectation. Both
+kernels call one device function, `adamw_element`, so the formula exists once on the device; the bf16
+reference calls the fp32 reference in float64. The simulator computes exactly as the reference (Python floats
+are IEEE doubles); on the GPU, NVVM contracts a*b + c into fused multiply-adds (its default), which can move
+the last bit of a float64 and so, rarely, one float32 ulp of a stored value. `seed` and `step` are launch
+arguments: a step captured in a CUDA graph would replay the same random bits (move `step` into `scalars` then).
 """
 import math
 
 import numpy as np
 from numba import cuda
 
+from ..bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
 from ..device import ceil_div
+from .bf16 import bf16_to_f32_dev, hash_args, round_bf16
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -37,26 +49,68 @@ def adamw_update_ref(params, grads, m, v, decay_size, scalars, beta1, beta2, eps
     params -= lr * step
 
 
-# ---- Numba kernel: one thread per element --------------------------------------------------------
+def adamw_update_bf16_ref(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
+                          seed, step, stochastic=True, offset=0):
+    """params, grads: (n,) uint16 bf16 bits; master, m, v: (n,) float32. Overwrites params, master, m, v.
+    The update in float64 (as the kernel computes it), stored as float32; params = bf16(master), element i
+    drawing its random word at hash index offset + i."""
+    p, g = master.astype(np.float64), bf16_to_f32(grads).astype(np.float64)
+    m64, v64 = m.astype(np.float64), v.astype(np.float64)
+    # the fp32 master update: the one formula above, in float64
+    adamw_update_ref(p, g, m64, v64, decay_size, scalars, beta1, beta2, eps, weight_decay)
+    m[...], v[...], master[...] = m64, v64, p
+    # the bf16 parameter: the new master, rounded
+    params[...] = f32_to_bf16_stochastic(master, seed, step, offset) if stochastic else f32_to_bf16(master)
+
+
+# ---- Numba kernels: one thread per element -------------------------------------------------------
+@cuda.jit(device=True)
+def adamw_element(p, g, m, v, lr, bc1, bc2, beta1, beta2, eps, wd):
+    """One element's update, all in float64 (the same operations, in the same order, as adamw_update_ref).
+    g is the scaled gradient; wd the weight decay of this element (0 above decay_size). Returns (p, m, v)."""
+    p, g, m, v = float(p), float(g), float(m), float(v)
+    # moment updates
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    # bias-corrected step direction
+    step = (m / bc1) / (math.sqrt(v / bc2) + eps)
+    # decoupled weight decay
+    return p - lr * (step + wd * p), m, v
+
+
 @cuda.jit
 def adamw_kernel(params, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay, n):
-    """Arithmetic in float64 (the scalars are float64); params, m, v rounded once when stored."""
+    """params, grads, m, v: (n,). Arithmetic in float64; params, m, v rounded once when stored."""
     i = cuda.grid(1)
     if i < n:
-        lr = scalars[0]
-        # scaled (clipped) gradient
-        g = grads[i] * scalars[1]
-        # moment updates
-        mi = beta1 * m[i] + (1.0 - beta1) * g
-        vi = beta2 * v[i] + (1.0 - beta2) * g * g
+        # scaled (clipped) gradient; weight decay on the first decay_size elements only
+        g = float(grads[i]) * scalars[1]
+        wd = weight_decay if i < decay_size else 0.0
+        p, mi, vi = adamw_element(params[i], g, m[i], v[i], scalars[0], scalars[2], scalars[3],
+                                  beta1, beta2, eps, wd)
+        params[i] = p
         m[i] = mi
         v[i] = vi
-        # bias-corrected step direction
-        step = (mi / scalars[2]) / (math.sqrt(vi / scalars[3]) + eps)
-        # decoupled weight decay on the first decay_size elements only
-        p = params[i]
+
+
+@cuda.jit
+def adamw_bf16_kernel(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
+                      stochastic, seed, step, offset, n):
+    """params, grads: (n,) uint16 bf16 bits; master, m, v: (n,) float32. Overwrites all but grads."""
+    i = cuda.grid(1)
+    if i < n:
+        # scaled (clipped) gradient from its bf16 bits; weight decay below decay_size
+        g = float(bf16_to_f32_dev(grads[i])) * scalars[1]
         wd = weight_decay if i < decay_size else 0.0
-        params[i] = p - lr * (step + wd * p)
+        # the fp32 master update
+        p, mi, vi = adamw_element(master[i], g, m[i], v[i], scalars[0], scalars[2], scalars[3],
+                                  beta1, beta2, eps, wd)
+        m[i] = mi
+        v[i] = vi
+        p32 = np.float32(p)
+        master[i] = p32
+        # the bf16 parameter: the new master, rounded (stochastically: hash index offset + i)
+        params[i] = round_bf16(p32, stochastic, seed, offset + np.uint64(i), step)
 
 
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
@@ -69,3 +123,20 @@ def adamw_update(dev, params, grads, m, v, decay_size, scalars, beta1, beta2, ep
     dev.launch(adamw_kernel, ceil_div(n, dev.block_size), dev.block_size,
                params, grads, m, v, int(decay_size), scalars,
                float(beta1), float(beta2), float(eps), float(weight_decay), n)
+
+
+def adamw_update_bf16(dev, params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2, eps,
+                      weight_decay, seed, step, stochastic=True, offset=0):
+    """params_u16, grads_u16: (n,) bf16 bits; master_f32, m, v: (n,) float32; scalars as in adamw_update.
+    Updates the fp32 master, m and v, and writes params = bf16(master) rounded stochastically with the random
+    word of (seed, offset + i, step) (or to nearest). Pass the optimizer step as `step`, and as `offset` the
+    position of params[0] in the whole flat parameter buffer: every rank and ZeRO stage then draws the same
+    bits for the same parameter. Overwrites params, master, m and v."""
+    if not dev.kernels:
+        return adamw_update_bf16_ref(params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2,
+                                     eps, weight_decay, seed, step, stochastic, offset)
+    n = params_u16.size
+    dev.launch(adamw_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size,
+               params_u16, master_f32, grads_u16, m, v, int(decay_size), scalars,
+               float(beta1), float(beta2), float(eps), float(weight_decay), bool(stochastic),
+               *hash_args(seed, step, offset), n)
