@@ -21,12 +21,12 @@ if [[ $what == bench || $what == all ]]; then
   run timeout 200 $py -m llmz.bench --device gpu --model d12 -b 4 -t 1024 --steps 3 --warmup 1 2>&1 | tee "$OUT/bench_d12.txt"
 fi
 if [[ $what == stages || $what == all ]]; then
-  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
   run timeout 120 $py -m llmz.train $F --log "$OUT/single.jsonl" 2>&1 | tail -4
   for s in 0 1 2; do
     run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --zero-stage $s --comm nccl --log "$OUT/nccl1_s$s.jsonl" 2>&1 | tail -2
   done
-  F2="--device gpu --model d12 -b 2 -t 1024 --steps 10 --val-every 0 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  F2="--device gpu --model d12 -b 2 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
   for s in 0 1 2; do
     run timeout 200 $MPIEXEC -n 2 $py -m llmz.train $F2 --zero-stage $s --comm mpi --log "$OUT/mpi2_s$s.jsonl" 2>&1 | tail -2
   done
