@@ -19,12 +19,12 @@ class GPT2Config:
     channels: int = 768             # C
 
     def __post_init__(self):
+        if min(self.max_seq_len, self.vocab_size, self.num_layers, self.num_heads, self.channels) <= 0:
+            raise ValueError(f"every size in {self} must be positive")      # first: num_heads 0 divides below
         if self.channels % self.num_heads:
             raise ValueError(f"channels {self.channels} is not a multiple of num_heads {self.num_heads}")
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
-        if min(self.max_seq_len, self.vocab_size, self.num_layers, self.num_heads, self.channels) <= 0:
-            raise ValueError(f"every size in {self} must be positive")
 
     @property
     def head_size(self) -> int:
@@ -44,6 +44,7 @@ class GPT2Config:
 PRESETS = {
     "tiny": (2, 2, 16),
     "small": (4, 4, 128),       # the laptop default: trains on the shipped data in minutes on 2 cores
+    "thin": (8, 2, 32),         # deep and narrow (the lessons): ZeRO-2's per-block gradient buckets pay off
     "d2": (2, 2, 128),
     "d4": (4, 4, 256),
     "d6": (6, 6, 384),

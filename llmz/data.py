@@ -23,7 +23,8 @@ TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
 # Magic numbers of llm.c's files, to tell a user which file they passed instead of the right one.
 KNOWN_MAGICS = {20240326: "an llm.c model file", 20240328: "an llm.c tokenizer file",
-                20240520: "an llm.c token file", 20240527: "an llm.c training-state file"}
+                20240520: "an llm.c token file", 20240527: "an llm.c training-state file",
+                20261203: "an llmz training-state file"}
 
 
 # ---- writing and reading whole files ------------------------------------------------------------------

@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step")
     a("--save", default=None, metavar="FILE.bin", help="write the final model (llm.c format)")
     a("--trace", default=None, metavar="FILE.json", help="stage 2: Chrome trace (+ PNG) of one step")
+    a("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
+      "(model.bin, state_rank<r>.bin, DONE)")
+    a("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps and after the "
+      "last (0 = after the last only)")
+    a("--keep", type=int, default=0, metavar="K", help="keep the newest K complete checkpoints (0 = all)")
+    a("--resume", nargs="?", const="latest", default=None, metavar="DIR/step_N|latest",
+      help="continue from a checkpoint: a step folder, or 'latest' (the newest complete one in "
+      "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
+      "another world size or ZeRO stage re-shards the optimizer state")
     a("--quiet", action="store_true", help="no per-step lines")
     return p
 
@@ -68,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 def defaults_for(args, kind: str) -> None:
     """Fill the device-dependent defaults: a small model on a laptop CPU, a bigger one on a GPU."""
     gpu = kind == "gpu"
-    if args.model is None and args.init_from is None:
-        args.model = "d6" if gpu else "small"
+    if args.model is None and args.init_from is None and args.resume is None:
+        args.model = default_model(kind)     # resuming: the checkpoint says which model
     if args.batch_size is None:
         args.batch_size = 32 if gpu else 16
     if args.seq_len is None:
@@ -78,15 +87,70 @@ def defaults_for(args, kind: str) -> None:
         args.steps = 2000 if gpu else 600
 
 
+def default_model(kind: str) -> str:
+    return "d6" if kind == "gpu" else "small"
+
+
 def check_args(args) -> None:
     from .errors import LlmzError
     for name in ("batch_size", "seq_len", "grad_accum", "steps"):
         if getattr(args, name) <= 0:
             raise LlmzError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.checkpoint_every < 0 or args.keep < 0:
+        raise LlmzError("--checkpoint-every and --keep must be >= 0")
+    if (args.checkpoint_every or args.keep) and not args.checkpoint_dir:
+        raise LlmzError("--checkpoint-every and --keep need --checkpoint-dir")
+    if args.resume == "latest" and not args.checkpoint_dir:
+        raise LlmzError("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
     if args.lr < 0 or args.grad_clip < 0 or not 0 <= args.beta1 < 1 or not 0 <= args.beta2 < 1:
         raise LlmzError("--lr, --grad-clip must be >= 0 and --beta1, --beta2 in [0, 1)")
     if args.precision == "fp64" and args.device == "gpu":
         raise LlmzError("--precision fp64 runs on --device cpu or sim only")
+
+
+# the flags that shape the training trajectory: saved in every checkpoint, compared on resume
+RESUME_FLAGS = ("precision", "zero_stage", "batch_size", "seq_len", "grad_accum", "steps", "lr",
+                "warmup_steps", "lr_schedule", "final_lr_frac", "weight_decay", "beta1", "beta2", "eps",
+                "grad_clip", "seed", "shuffle")
+# what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
+GPU_RESERVE_BYTES = 1 << 30
+
+
+def resume_flags(args) -> dict:
+    return {k: getattr(args, k) for k in RESUME_FLAGS}
+
+
+def restore_loader(loader, saved: dict, path: str) -> list[str]:
+    """Put `loader` where the saved one stopped. With the same tokens per micro-step over all ranks
+    (world size x B x T; B may change with the world size) the token stream continues exactly; with
+    another global batch it continues at the same token count, rounded down. Returns notes to print."""
+    from .errors import LlmzError
+    mine = loader.state()
+    keys = ("num_tokens", "T", "shuffle") + (("seed",) if loader.shuffle else ())
+    diff = [f"{k} {saved[k]} (here {mine[k]})" for k in keys if saved[k] != mine[k]]
+    if diff:
+        raise LlmzError(f"{path}: the training data or batch differ from the checkpoint's: {', '.join(diff)}")
+    old_stride = saved["world_size"] * saved["B"] * saved["T"]
+    if old_stride == loader.stride:
+        loader.position = saved["position"]
+        return []
+    loader.position = saved["position"] * old_stride // loader.stride
+    return [(f"resume: {loader.stride} tokens per micro-step over all ranks (was {old_stride}): the data "
+             f"continues at token {saved['position'] * old_stride:,}, not bit for bit")]
+
+
+def check_fits(predicted: dict, free: int, total: int, gpu_index: int = 0,
+               reserve: int = GPU_RESERVE_BYTES) -> None:
+    """Refuse a configuration whose predicted bytes per rank (llmz.memory.predicted) plus `reserve` exceed
+    the GPU's free bytes (cupy.cuda.runtime.memGetInfo): one line with both numbers, before allocating."""
+    from .errors import LlmzError
+    from .memory import fmt_bytes
+    need = sum(predicted.values())
+    if need + reserve > free:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in predicted.items() if v)
+        raise LlmzError(f"this configuration does not fit on GPU {gpu_index}: predicted {fmt_bytes(need)} "
+                        f"per rank ({parts}) + {fmt_bytes(reserve)} reserve, available {fmt_bytes(free)} "
+                        f"free of {fmt_bytes(total)}; lower -b or -t, or raise --zero-stage")
 
 
 class Run:
@@ -97,18 +161,25 @@ class Run:
         from .errors import LlmzError
         self.args, self.ranks = args, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.notes: list[str] = []                  # lines for rank 0 to print (resume decisions)
         dtype = np.float64 if args.precision == "fp64" else np.float32
         from .device import Device
         self.dev = Device(kind, dtype, gpu_index=ranks.local_rank)
         self.comm = comm.make_communicator(args.comm, ranks, self.dev)
         self.tok = tokenizer.load_tokenizer(args.tokenizer)
-        # model: a preset, or an llm.c file
-        if args.init_from:
+        # model: a checkpoint to resume, an llm.c file, or a preset
+        self.resumed = self.find_checkpoint()
+        if self.resumed:
+            cfg = self.resumed.config
+            self.layout = layout.Layout(cfg, self.world_size)
+            from .state import full_ranges
+            params = self.resumed.assemble("params", full_ranges(self.layout))
+        elif args.init_from:
             cfg, llmc = checkpoint.load_model(args.init_from)
             self.layout = layout.Layout(cfg, self.world_size)
             params = self.layout.from_llmc(llmc, np.float64)
         else:
-            cfg = config.preset(args.model, vocab_size=self.tok.vocab_size,
+            cfg = config.preset(args.model or default_model(kind), vocab_size=self.tok.vocab_size,
                                 max_seq_len=args.max_seq_len or 1024)
             self.layout = layout.Layout(cfg, self.world_size)
             params = layout.init_parameters(self.layout, args.seed)
@@ -126,6 +197,11 @@ class Run:
                                weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                                warmup_steps=args.warmup_steps, schedule=args.lr_schedule,
                                final_lr_frac=args.final_lr_frac, total_steps=args.steps)
+        self.rng = np.random.default_rng(args.seed)     # draws the seeds of the samples printed in training
+        if self.dev.kind == "gpu":                     # refuse before the big allocations, not halfway
+            free, total = self.dev.xp.cuda.runtime.memGetInfo()
+            check_fits(memory.predicted(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize),
+                       free, total, self.dev.gpu_index)
         self.model = model.GPT2(cfg, self.dev, B, T)
         self.tracer = None
         if args.trace:
@@ -138,6 +214,82 @@ class Run:
         self.tokens_per_step = B * T * args.grad_accum * self.world_size
         self.x = self.dev.zeros((B, T), np.int32)
         self.y = self.dev.zeros((B, T), np.int32)
+        self.start_step = 0
+        if self.resumed:
+            self.restore(self.resumed)
+
+    # ---- checkpoints (llmz.state) ----------------------------------------------------------------------
+    def find_checkpoint(self):
+        """The checkpoint --resume names, read and checked (every rank reads every state file), or None."""
+        from .errors import LlmzError
+        from .state import latest_checkpoint, load_checkpoint
+        a = self.args
+        if not a.resume:
+            return None
+        path = a.resume
+        if path == "latest":
+            path = latest_checkpoint(a.checkpoint_dir)
+            if path is None:
+                self.notes.append(f"resume: no complete checkpoint in {a.checkpoint_dir}; starting afresh")
+                return None
+        if a.init_from and a.resume != "latest":
+            raise LlmzError(f"--init-from {a.init_from} and --resume {path} both give the starting "
+                            "parameters; choose one")
+        if a.init_from:     # `--init-from F --resume --checkpoint-dir D`: one command for launch and relaunch
+            self.notes.append(f"resume: {path} found, so --init-from {a.init_from} is not used")
+        ckpt = load_checkpoint(path)
+        if a.model:
+            from .config import preset
+            want = preset(a.model, vocab_size=self.tok.vocab_size, max_seq_len=a.max_seq_len or 1024)
+            if want != ckpt.config:
+                raise LlmzError(f"{path}: the checkpoint's model is {ckpt.config}, but --model {a.model} "
+                                f"gives {want}")
+        return ckpt
+
+    def restore(self, ckpt) -> None:
+        """Continue from `ckpt`: this rank's m and v re-sharded for this layout, the step, the data position,
+        the RNG. Parameters were assembled in __init__."""
+        meta = ckpt.meta
+        self.zero.load_optimizer_state(ckpt.assemble("m", self.zero.owned_ranges()),
+                                       ckpt.assemble("v", self.zero.owned_ranges()))
+        self.start_step = ckpt.step
+        self.notes += restore_loader(self.train_loader, meta["data"], ckpt.path)
+        # the RNG of this rank's file (a bigger world: of rank r mod the saved world size)
+        self.rng.bit_generator.state = ckpt.states[self.rank % ckpt.world_size].meta["rng"]
+        saved = meta["flags"]
+        mine = resume_flags(self.args)
+        changed = [f"--{k.replace('_', '-')} {mine[k]} (was {saved.get(k)})"
+                   for k in mine if saved.get(k) != mine[k]]
+        self.notes.append(f"resume: step {ckpt.step} from {ckpt.path} ({ckpt.world_size} rank(s), ZeRO stage "
+                          f"{meta['zero_stage']}, {meta['precision']})" + (f"; changed: {', '.join(changed)}"
+                                                                          if changed else ""))
+
+    def save_checkpoint(self, root: str, step: int) -> str:
+        """Checkpoint after `step` optimizer steps: DIR/step_NNNNNN/{model.bin, state_rank<r>.bin, DONE}.
+        Every file is written to a temporary name and renamed; DONE comes last, after a barrier, so a
+        folder without it is ignored by --resume. Returns the folder."""
+        from . import state
+        from .checkpoint import save_model
+        folder = state.step_dir(root, step)
+        if self.rank == 0:
+            state.prepare_step_dir(folder, self.world_size)
+        self.comm.barrier()                    # the folder exists and holds no stale DONE
+        host = self.host_params()
+        if self.rank == 0:
+            save_model(os.path.join(folder, state.MODEL_FILE), self.config, host, self.layout)
+        meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
+                "zero_stage": self.args.zero_stage, "precision": self.args.precision,
+                "config": self.config.to_dict(), "flags": resume_flags(self.args),
+                "data": self.train_loader.state(), "rng": self.rng.bit_generator.state,
+                "buckets": state.shard_table(self.layout, self.rank)}
+        state.write_state(state.state_path(folder, self.rank), meta, self.zero.state_slices(host))
+        self.comm.barrier()                    # every rank's file is in place
+        if self.rank == 0:
+            state.write_done(folder, {"step": step, "world_size": self.world_size,
+                                      "zero_stage": self.args.zero_stage})
+            if self.args.keep:
+                state.prune(root, self.args.keep)
+        return folder
 
     # ---- one optimizer step ------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -182,6 +334,10 @@ class Run:
     def host_params(self) -> np.ndarray:
         return self.dev.to_host(self.zero.params)
 
+    def sample_seed(self) -> int:
+        """The seed of the next printed sample, from the run's RNG (saved in checkpoints)."""
+        return int(self.rng.integers(2**31))
+
     def sample(self, prompt_ids, n_tokens: int, seed: int) -> list[int]:
         from .model import GPT2
         from .sample import generate
@@ -215,14 +371,22 @@ def train(args, kind: str, ranks) -> dict:
     say(f"batch: B={args.batch_size} T={args.seq_len} K={args.grad_accum} x {ranks.world_size} ranks = "
         f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
     say(table(run.memory))
-    log = open(args.log + ".tmp", "w") if (args.log and r0) else None
+    for note in run.notes:
+        say(note)
+    start = run.start_step
+    if start >= args.steps:
+        say(f"nothing to train: the checkpoint is at step {start}, --steps is {args.steps}")
+    log = open(args.log + ".tmp", "w") if (args.log and r0) else None   # noqa: SIM115  (closed at the end)
     if log:
         log.write(json.dumps({"event": "start", "config": c.to_dict(), "args": vars(args),
-                              "world_size": ranks.world_size, "memory": run.memory}) + "\n")
+                              "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
+                              "resumed_from": run.resumed.path if run.resumed else None}) + "\n")
     first_loss = last = None
     val_losses = []
     t_total = 0.0
-    for step in range(args.steps):
+    trace_step = min(start + 1, args.steps - 1)
+    every = args.checkpoint_every
+    for step in range(start, args.steps):
         last_step = step == args.steps - 1
         if args.val_every and run.val_loader and (step % args.val_every == 0 or last_step) \
                 or (last_step and run.val_loader):
@@ -232,17 +396,17 @@ def train(args, kind: str, ranks) -> dict:
             if log:
                 log.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
         if args.sample_every and step > 0 and step % args.sample_every == 0 and r0:
-            say("---\n" + run.tok.decode(run.sample([], args.sample_tokens, args.seed + step)) + "\n---")
-        if args.trace and step == min(1, args.steps - 1):
+            say("---\n" + run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed())) + "\n---")
+        if args.trace and step == trace_step:
             run.tracer.start()
         run.dev.synchronize()
         t0 = time.perf_counter()
         out = run.step(step)
         run.dev.synchronize()
         dt = time.perf_counter() - t0
-        if args.trace and step == min(1, args.steps - 1):
+        if args.trace and step == trace_step:
             run.tracer.stop(args.trace)
-        if step > 0:
+        if step > start:
             t_total += dt
         loss = out["loss"]
         if not math.isfinite(loss) or not math.isfinite(out["grad_norm"]):
@@ -262,11 +426,19 @@ def train(args, kind: str, ranks) -> dict:
         if not args.quiet:
             say(f"step {step:5d}/{args.steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | norm {out['grad_norm']:.3f}"
                 f" | {dt * 1e3:8.1f} ms | {tps:9.0f} tok/s" + (f" | MFU {util * 100:.1f}%" if util else ""))
+        # a checkpoint after this step: every N steps and after the last (only good steps get here)
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
+            folder = run.save_checkpoint(args.checkpoint_dir, done)
+            say(f"step {step:5d} | checkpoint {folder}")
+            if log:
+                log.write(json.dumps({"event": "checkpoint", "step": done, "path": folder}) + "\n")
+    timed = max(args.steps - start - 1, 1)
     summary = {"first_loss": first_loss, "final_loss": last, "val_losses": val_losses,
-               "mean_ms": t_total * 1e3 / max(args.steps - 1, 1),
-               "tokens_per_s": run.tokens_per_step * max(args.steps - 1, 1) / t_total if t_total else None}
+               "mean_ms": t_total * 1e3 / timed,
+               "tokens_per_s": run.tokens_per_step * timed / t_total if t_total else None}
     if r0 and run.val_loader:
-        text = run.tok.decode(run.sample([], args.sample_tokens, args.seed))
+        text = run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed()))
         say("--- sample ---\n" + text + "\n--------------")
     if args.save:
         from .checkpoint import save_model
@@ -279,8 +451,9 @@ def train(args, kind: str, ranks) -> dict:
         log.close()
         os.replace(args.log + ".tmp", args.log)
     vals = ", ".join(f"{s}: {v:.4f}" for s, v in val_losses)
-    say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; "
-        f"{summary['mean_ms']:.1f} ms/step")
+    if first_loss is not None:
+        say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; "
+            f"{summary['mean_ms']:.1f} ms/step")
     run.comm.barrier()
     return summary
 

@@ -129,6 +129,36 @@ class ZeroStage:
             self.comm.all_gather(self.layout.bucket_buffer(self.params, b))
         self.compute_waits_for_comm()
 
+    # ---- training state (llmz.state): slices per bucket, so another world size can re-shard them ------
+    def owned_ranges(self) -> list[tuple]:
+        """(bucket, start, end) of what m and v hold, in their order: every bucket whole at stage 0, my
+        slice of every bucket at stages 1 and 2."""
+        L = self.layout
+        if self.stage == 0:
+            return [(b, 0, b.padded_size) for b in L.buckets]
+        return [(b, *L.shard_range(b, self.rank)) for b in L.buckets]
+
+    def state_slices(self, params_host: np.ndarray) -> dict[str, np.ndarray]:
+        """params, m and v of my slice r of every bucket, bucket by bucket, on the host (whatever the
+        stage: at stage 0 the N ranks' slices make the whole). params_host: the full host parameters."""
+        L = self.layout
+        m, v = self.dev.to_host(self.m), self.dev.to_host(self.v)
+        out: dict[str, list] = {"params": [], "m": [], "v": []}
+        at = 0
+        for b, s0, e0 in self.owned_ranges():
+            s, e = L.shard_range(b, self.rank)
+            out["params"].append(params_host[b.offset + s:b.offset + e])
+            out["m"].append(m[at + s - s0:at + e - s0])
+            out["v"].append(v[at + s - s0:at + e - s0])
+            at += e0 - s0
+        return {k: np.concatenate(x) for k, x in out.items()}
+
+    def load_optimizer_state(self, m_owned: np.ndarray, v_owned: np.ndarray) -> None:
+        """Set m and v from host arrays laid out as owned_ranges() (llmz.state.Checkpoint.assemble)."""
+        assert m_owned.shape == self.m.shape and v_owned.shape == self.v.shape, (m_owned.shape, self.m.shape)
+        self.dev.copy_from_host(self.m, m_owned)
+        self.dev.copy_from_host(self.v, v_owned)
+
     # ---- memory report --------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
         return dict(self.allocated)

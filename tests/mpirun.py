@@ -29,10 +29,9 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
-def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
-    """Run `mpiexec -n nproc python *args`, capturing stdout and stderr (text). A run that outlasts
-    `timeout` seconds is killed, with every process it started, and fails the calling test."""
+def start_mpi(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start `mpiexec -n nproc python *args` in a session of its own (stdout, stderr: text pipes), so that
+    os.killpg(proc.pid, ...) reaches mpiexec, its proxies and every rank."""
     from llmz.device import gpu_available
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -44,14 +43,20 @@ def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None 
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.update(env or {})
     cmd = [mpiexec, "-n", str(nproc), sys.executable, *args]
-    # a session of its own, so a timeout can kill mpiexec, its proxies and every rank together
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+
+def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n nproc python *args`, capturing stdout and stderr (text). A run that outlasts
+    `timeout` seconds is killed, with every process it started, and fails the calling test."""
+    proc = start_mpi(nproc, args, env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[1:])} still running after {timeout} s (killed)\n"
+        pytest.fail(f"{' '.join(proc.args[1:])} still running after {timeout} s (killed)\n"
                     f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
