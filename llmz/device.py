@@ -128,15 +128,23 @@ class Device:
 
     # ---- memory -------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
-        return self.xp.zeros(shape, dtype=dtype or self.dtype)
+        """On the GPU the fill runs on this Device's compute stream, even when a later Device (a second Run
+        in the same process, as in the lessons) has made its own stream CuPy's current one."""
+        if self.kind != "gpu":
+            return np.zeros(shape, dtype=dtype or self.dtype)
+        with self.compute_stream.cupy:
+            return self.xp.zeros(shape, dtype=dtype or self.dtype)
 
     def empty(self, shape, dtype=None):
         return self.xp.empty(shape, dtype=dtype or self.dtype)
 
     def asarray(self, a, dtype=None):
-        """Host (NumPy) array -> an array on this device (a copy)."""
+        """Host (NumPy) array -> an array on this device (a copy; on the GPU ordered on the compute stream)."""
         a = np.ascontiguousarray(a, dtype=dtype)
-        return self.xp.asarray(a) if self.kind == "gpu" else a.copy()
+        if self.kind != "gpu":
+            return a.copy()
+        with self.compute_stream.cupy:
+            return self.xp.asarray(a)
 
     def copy_from_host(self, dst, src: np.ndarray) -> None:
         """dst (on this device) <- src (NumPy), ordered on the compute stream."""

@@ -1,0 +1,124 @@
+"""Lesson 00 - one device: GPT-2 as a list of kernels, and one training step.
+
+GPT-2 is a straight list of layers: the encoder (token + position embedding); L blocks of layernorm, qkv
+matmul, attention, projection, residual add, layernorm, fc matmul, GELU, projection, residual add; the
+final layernorm; the classifier (logits = x @ wte.T, softmax, cross-entropy). Each layer is a pair of
+functions, forward and backward, and each pair exists twice (llmz/kernels/*.py): a Numba CUDA kernel, run
+on the GPU, or on a laptop in Numba's CUDA simulator (--device sim), and a NumPy reference of the same math
+(--device cpu). llmz.model.GPT2 calls them in order; the device decides which of the two runs.
+
+One training step:
+    forward    the activations, and the loss: the mean cross-entropy over the B*T positions
+    backward   d(loss)/d(every parameter), accumulated (+=) into the gradient buffer, bucket by bucket
+    update     the gradient norm, clipping, then AdamW: p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p);
+               then the gradients are zeroed for the next step
+
+Memory on one device, with Ψ parameters and b bytes per value (b = 4 in fp32; this lesson runs the CPU in
+fp64, b = 8, so that later lessons can compare ranks to the last bit):
+    parameters b*Ψ + gradients b*Ψ + AdamW's m and v 2b*Ψ    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
+Each later lesson divides one more of these terms by the number of ranks N.
+
+Checkpoints: (1) the kernels' loss equals the float64 reference's, (2) so does every gradient tensor,
+(3) repeated steps on one batch drive its loss down, (4) the bytes held are b*Ψ + b*Ψ + 2b*Ψ.
+
+There is nothing to communicate yet: under mpiexec every rank runs this same lesson on its own device
+(--comm is ignored) and rank 0 prints.
+"""
+import sys
+
+import numpy as np
+
+from lessons import common
+
+# the kernels run in float32 against a float64 reference: rounding of sums of up to a few hundred terms
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+def forward_backward(dev, config, params_host, x, y):
+    """One forward and backward on `dev` (kernels or NumPy references): the loss and the flat gradient."""
+    from llmz.layout import Layout
+    from llmz.model import GPT2, FullGrads
+    B, T = x.shape
+    layout = Layout(config, 1)
+    params = dev.asarray(params_host, dev.dtype)
+    grads = dev.zeros(layout.total)
+    model = GPT2(config, dev, B, T)
+    xd, yd = dev.asarray(x, np.int32), dev.asarray(y, np.int32)
+    model.forward(layout.views(params), xd, yd)
+    loss = model.mean_loss()
+    model.backward(layout.views(params), FullGrads(layout, grads), xd, yd, 1.0 / (B * T))
+    return loss, dev.to_host(grads)
+
+
+def lesson(a, ranks) -> int:
+    from llmz.device import gpu_available, resolve
+    ck = common.Checkpoints(ranks, 4)
+    # ---- 1. the layers as kernels, against their NumPy references -----------------------------------------
+    # The kernels run on the GPU where there is one, else in the simulator (every CUDA thread a Python
+    # thread: slow, so there the model is one block of 8 channels on 4 tokens).
+    kernel_kind = resolve("gpu" if a.kind != "sim" and gpu_available() else "sim")    # before numba loads
+    from llmz.config import GPT2Config, preset
+    from llmz.device import Device
+    from llmz.layout import Layout, init_parameters
+    if kernel_kind == "gpu":
+        config, B, T = preset(a.model, vocab_size=256, max_seq_len=a.seq_len), a.batch_size, a.seq_len
+    else:
+        config, B, T = GPT2Config(max_seq_len=4, vocab_size=32, padded_vocab_size=32, num_layers=1,
+                                  num_heads=2, channels=8), 1, 4
+    layout = Layout(config, 1)
+    rng = np.random.default_rng(0)
+    params = init_parameters(layout, seed=0)
+    x, y = rng.integers(0, config.vocab_size, (2, B, T))
+    common.say(ranks, f"kernels ({kernel_kind}, float32) against the NumPy reference (cpu, float64): "
+               f"L={config.num_layers} C={config.channels} V={config.vocab_size} B={B} T={T}")
+    loss_k, grads_k = forward_backward(Device(kernel_kind, np.float32, ranks.local_rank), config,
+                                       params.astype(np.float32), x, y)
+    loss_r, grads_r = forward_backward(Device("cpu", np.float64), config, params, x, y)
+    rel = abs(loss_k - loss_r) / abs(loss_r)
+    ck.check(rel <= LOSS_TOL, f"loss of the kernels {loss_k:.7f} = reference's {loss_r:.7f} "
+             f"(relative difference {rel:.1e}, expected <= {LOSS_TOL:.0e})")
+    # every tensor of every bucket: ||kernel - reference|| / ||reference||
+    errors = {}
+    for bucket, gk, gr in zip(layout.buckets, layout.views(grads_k), layout.views(grads_r)):
+        for name in gr:
+            errors[f"{bucket.name}.{name}"] = float(np.linalg.norm(gk[name] - gr[name]) / np.linalg.norm(gr[name]))
+    worst = max(errors, key=errors.get)
+    ck.check(max(errors.values()) <= GRAD_TOL, f"all {len(errors)} gradient tensors of the kernels = reference's: "
+             f"worst relative error {errors[worst]:.1e} ({worst}), expected <= {GRAD_TOL:.0e}")
+
+    # ---- 2. one training step, repeated on one batch ------------------------------------------------------
+    # llmz.train.Run holds the pieces (device, data, model, AdamW); with a world of one rank its ZeRO stage 0
+    # is simply "the gradient buffer and the optimizer", and its all-reduce over one rank is the identity.
+    run = common.make_run(a, common.one_rank(ranks), stage=0, comm="auto")
+    dev, model, z = run.dev, run.model, run.zero
+    B, T = a.batch_size, a.seq_len
+    x, y = run.train_loader.next_batch()                 # one batch, kept: its loss must fall
+    dev.copy_from_host(run.x, x)
+    dev.copy_from_host(run.y, y)
+    c = run.config
+    common.say(ranks, f"training on {run.dev.kind} ({a.precision}): L={c.num_layers} C={c.channels} "
+               f"V={c.vocab_size} B={B} T={T}, {run.layout.num_parameters:,} parameters, one batch {a.steps} times")
+    losses = []
+    for step in range(a.steps):
+        model.forward(z.pviews, run.x, run.y)                      # activations and per-position losses
+        losses.append(model.mean_loss())
+        model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
+        z.reduce_gradients()                                       # one rank: nothing to reduce
+        norm = z.update(step)                                      # norm, clip, AdamW; zero the gradients
+        common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
+    ck.check(losses[-1] < losses[0], f"loss on one batch falls over {a.steps} steps: {losses[0]:.4f} -> "
+             f"{losses[-1]:.4f} (expected: lower at the end)")
+
+    # ---- 3. what one device holds ---------------------------------------------------------------------------
+    from llmz.memory import fmt_bytes
+    m, psi, b = run.memory["measured"], run.layout.num_parameters, dev.dtype.itemsize
+    want = {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 2 * b * psi}
+    ck.check(all(m[k] == v for k, v in want.items()),
+             f"parameters {fmt_bytes(m['parameters'])} + gradients {fmt_bytes(m['gradients'])} + optimizer state "
+             f"{fmt_bytes(m['optimizer_state'])} = {b}Ψ + {b}Ψ + {2 * b}Ψ with Ψ = {psi:,} (expected exactly; "
+             f"in fp32: 4Ψ + 4Ψ + 8Ψ)")
+    return ck.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(common.main(lesson, __doc__, steps=10, sim_steps=3))

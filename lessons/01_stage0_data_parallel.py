@@ -1,0 +1,80 @@
+"""Lesson 01 - ZeRO stage 0, data parallelism: N ranks, each its own batch, gradients all-reduced.
+
+What changes from lesson 00: N copies of the same model run at once, one per rank (mpiexec -n N). Rank r
+reads its own slice of the data (llm.c's order: micro-batch i of rank r starts at token i*N*B*T + r*B*T),
+so a step sees N*B*T tokens. After backward each rank holds the gradient of ITS batch only. One all-reduce
+(average) per bucket gives every rank the gradient of the whole N*B batch; every rank then runs the same
+AdamW on the same numbers, so the parameters stay identical without ever being sent. The whole change is
+in llmz.zero.Stage0.reduce_gradients: a loop of comm.all_reduce over the buckets.
+
+Nothing is divided by N: every rank holds everything.
+    parameters bΨ + gradients bΨ + m and v 2bΨ on EVERY rank    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
+
+What it costs, the ring all-reduce: put the N ranks in a ring and cut a buffer of S bytes into N chunks.
+Reduce-scatter: N-1 rounds, in each every rank sends one chunk (S/N) to its neighbour, which adds it to its
+own; afterwards each rank holds one chunk summed over all ranks. All-gather: N-1 more rounds pass the summed
+chunks on around the ring. Each rank sends 2(N-1)/N * S bytes, so with S = bΨ about 2bΨ per step, almost
+independent of N. (llmz.comm.Communicator.bytes_sent counts by this model, whatever the backend really does.)
+
+Checkpoints: (1) the losses equal one process whose batch is the union of the ranks' batches (rank 0 runs
+it in-process, on a one-rank communicator), (2) the parameters are bit-identical on every rank, (3) memory
+per rank by category is bΨ + bΨ + 2bΨ, (4) bytes sent per rank per step are 2(N-1)/N * bΨ.
+"""
+import sys
+
+from lessons import common
+
+
+def lesson(a, ranks) -> int:
+    from llmz.memory import fmt_bytes, table
+    N = ranks.world_size
+    ck = common.Checkpoints(ranks, 4)
+    run = common.make_run(a, ranks, stage=0)                # N ranks, batch B each, all-reduce
+    common.apply_break(run.zero)
+    # the reference: one process, a world of one, a batch of N*B: exactly the tokens the N ranks read together
+    ref = (common.make_run(a, common.one_rank(ranks), stage=0, batch_size=N * a.batch_size, comm="auto")
+           if ranks.rank == 0 else None)
+    c, psi, b = run.config, run.layout.num_parameters, run.dev.dtype.itemsize
+    common.say(ranks, f"{common.n_ranks(N)} on {run.dev.kind} ({a.precision}), comm {run.comm.name}: L={c.num_layers} "
+               f"C={c.channels} B={a.batch_size} T={a.seq_len}, Ψ = {psi:,} parameters")
+    losses, ref_losses, sent = [], [], []
+    for step in range(a.steps):
+        run.comm.reset_counters()
+        losses.append(run.step(step)["loss"])       # forward, backward, all-reduce, AdamW
+        sent.append(run.comm.bytes_sent)
+        line = f"step {step}: loss {losses[-1]:.10f} | sent {sent[-1]:,} B"
+        if ref:
+            ref_losses.append(ref.step(step)["loss"])
+            line += f" | one process, batch {N}x{a.batch_size}: loss {ref_losses[-1]:.10f}"
+        common.say(ranks, line)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    if ref:
+        d = common.max_rel_diff(losses, ref_losses)
+        ck.check(d <= a.rtol, f"losses on {common.n_ranks(N)} = one process with the union batch over {a.steps} steps: "
+                 f"{losses[-1]:.10f} vs {ref_losses[-1]:.10f} at the last (worst relative difference {d:.1e}, "
+                 f"expected <= {a.rtol:.0e})")
+    else:
+        ck.check(True, "")                         # only rank 0 runs the reference; its verdict is the check's
+    hashes = common.gather(ranks, common.params_hash(run))
+    ck.check(len(set(hashes)) == 1, f"parameters bit-identical on {common.n_ranks(N)}: {len(set(hashes))} distinct "
+             f"hash(es) ({', '.join(sorted(set(hashes)))}), expected 1")
+    common.say(ranks, table(run.memory))
+    m = run.memory["measured"]
+    want = {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 2 * b * psi}
+    pad = b * (N - 1) * len(run.layout.buckets)      # each bucket is padded by at most N-1 values
+    off = {k: m[k] - want[k] for k in want}
+    ck.check(all(0 <= off[k] <= (2 if k == "optimizer_state" else 1) * pad for k in want),
+             f"memory per rank, the same for any N: parameters {fmt_bytes(m['parameters'])} + gradients "
+             f"{fmt_bytes(m['gradients'])} + optimizer state {fmt_bytes(m['optimizer_state'])} = {b}Ψ + {b}Ψ + "
+             f"{2 * b}Ψ with Ψ = {psi:,} (padding {max(off.values())} B, expected <= {2 * pad} B)")
+    expect = 2 * (N - 1) * b * psi // N
+    worst = max(common.gather(ranks, max(sent)))
+    ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
+    ck.check(ok, f"bytes sent per rank per step {worst:,} B = 2(N-1)/N * {b}Ψ = {expect:,} B (ring all-reduce; "
+             f"expected within 0.5%: padding and the 8-byte loss average)")
+    return ck.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2))

@@ -1,0 +1,118 @@
+"""Lesson 03 - ZeRO stage 2, gradient sharding: reduce-scatter each block during backward.
+
+What changes from lesson 02: stage 1 still keeps the full gradient (bΨ) on every rank until the end of
+backward, although after the reduce-scatter each rank needs only its slice. Stage 2 never keeps it
+(llmz.zero.Stage2). Backward finishes the buckets one at a time (the final layernorm, block L-1, ..., block
+0, the embeddings last: wte is tied to the classifier, llmz.model), and the moment a bucket is complete
+(`done(b)`) it is reduce-scattered and my averaged slice is added (+=) into my gradient shard. So:
+  * two slots: block l writes its gradients into slot l % 2. While block l-1's backward fills the other
+    slot, block l's slot is being reduce-scattered; block l-2 reuses it once that is done. The embedding
+    and final-layernorm gradients keep buffers of their own (wte's gradient grows from the first op of
+    backward to the last).
+  * the comm stream and its events (on a GPU): at done(b) an event recorded on the compute stream makes the
+    comm stream wait for the block's last kernel; the comm stream runs the reduce-scatter and one kernel
+    that adds my part into the shard AND zeroes the slot (no separate memset), then records an event; the
+    compute stream waits on that event only before it writes into the same slot again (block l-2). No host
+    synchronisation anywhere in backward: compute and communication overlap.
+  * --no-overlap: the compute stream waits for each reduce-scatter right away, serialising them. Same
+    numbers, bit for bit (only the timing changes); on cpu and sim everything runs in program order anyway.
+  * accumulation across K micro-steps: every micro-step reduce-scatters every bucket into the shard
+    (K reduce-scatters per step instead of stage 1's one), so communication grows to (K+1)(N-1)/N * bΨ.
+
+Memory per rank, Ψ parameters, b bytes per value, N ranks:
+    parameters bΨ + gradients bΨ/N + two block slots + embedding and lnf gradients + m and v 2bΨ/N
+It pays when the model has many blocks: with L blocks of P parameters the gradients shrink from L*P to about
+L*P/N + 2P (this lesson's `thin` model: 8 blocks).
+
+Checkpoints: (1) the losses equal stage 1's (both run here, with --grad-accum K), (2) parameters bit-identical
+on every rank, (3) gradient bytes per rank = shard + two slots + embedding + lnf gradients, (4) K*(L+2)
+reduce-scatters during backward per step, (5) bytes sent per step (K+1)(N-1)/N * bΨ, (6) --no-overlap gives
+the same bits, (7) the timeline PNG of one step, with one compute and one comm span per bucket per micro-step.
+Figures in --out: stage2_timeline.png (rank 0's step) and memory_per_rank.png (stages 0, 1, 2 by category).
+"""
+import os
+import sys
+
+from lessons import common
+
+
+def lesson(a, ranks) -> int:
+    from llmz.memory import fmt_bytes
+    N, K = ranks.world_size, a.grad_accum
+    ck = common.Checkpoints(ranks, 7)
+    trace = os.path.join(a.out, "stage2_timeline.json")
+    if ranks.rank == 0:
+        os.makedirs(a.out, exist_ok=True)
+    run1 = common.make_run(a, ranks, stage=1)                          # lesson 02: the reference
+    run2 = common.make_run(a, ranks, stage=2, trace=trace)             # this lesson
+    run2s = common.make_run(a, ranks, stage=2, overlap=False)          # the same, serialised
+    for r in (run2, run2s):
+        common.apply_break(r.zero)
+    c, psi, b, lay = run2.config, run2.layout.num_parameters, run2.dev.dtype.itemsize, run2.layout
+    L = c.num_layers
+    common.say(ranks, f"{common.n_ranks(N)} on {run2.dev.kind} ({a.precision}), comm {run2.comm.name}: L={L} "
+               f"C={c.channels} B={a.batch_size} T={a.seq_len} K={K}, Ψ = {psi:,} parameters")
+    traced = min(1, a.steps - 1)
+    losses1, losses2, sent, rs_in_backward, events = [], [], [], [], []
+    for step in range(a.steps):
+        losses1.append(run1.step(step)["loss"])
+        run2s.step(step)
+        if step == traced and ranks.rank == 0:
+            run2.tracer.start()                    # rank 0 records this step's timeline
+        run2.comm.reset_counters()
+        before = run2.zero.reduce_scatters_in_backward
+        losses2.append(run2.step(step)["loss"])
+        rs_in_backward.append(run2.zero.reduce_scatters_in_backward - before)
+        sent.append(run2.comm.bytes_sent)
+        if step == traced and ranks.rank == 0:
+            events = run2.tracer.stop(trace)["traceEvents"]
+        common.say(ranks, f"step {step}: stage 2 loss {losses2[-1]:.10f} | stage 1 loss {losses1[-1]:.10f} | "
+                   f"{rs_in_backward[-1]} reduce-scatters in backward | sent {sent[-1]:,} B")
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    d = common.max_rel_diff(losses2, losses1)
+    ck.check(d <= a.rtol, f"losses of stage 2 = stage 1's over {a.steps} steps of K={K}: {losses2[-1]:.10f} vs "
+             f"{losses1[-1]:.10f} at the last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})")
+    hashes = common.gather(ranks, common.params_hash(run2))
+    ck.check(len(set(hashes)) == 1, f"parameters bit-identical on {common.n_ranks(N)}: {len(set(hashes))} distinct "
+             f"hash(es) ({', '.join(sorted(set(hashes)))}), expected 1")
+    slot = max(bk.padded_size for bk in lay.buckets[1:-1])
+    parts = {"shard": lay.shard_total, "two slots": 2 * slot, "embeddings": lay.embeddings.padded_size,
+             "lnf": lay.lnf.padded_size}
+    g1, g2 = run1.memory["measured"]["gradients"], run2.memory["measured"]["gradients"]
+    ck.check(g2 == b * sum(parts.values()),
+             f"gradients per rank {fmt_bytes(g2)} = " + " + ".join(f"{k} {fmt_bytes(b * v)}" for k, v in parts.items())
+             + f" (expected exactly), vs stage 1's full {fmt_bytes(g1)}: {g2 / g1:.2f}x")
+    ck.check(rs_in_backward == [K * (L + 2)] * a.steps,
+             f"reduce-scatters during backward per step {rs_in_backward} = K*(L+2) = {K}*({L}+2) = {K * (L + 2)} "
+             f"(every bucket, every micro-step)")
+    expect = (K + 1) * (N - 1) * b * psi // N
+    worst = max(common.gather(ranks, max(sent)))
+    ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
+    ck.check(ok, f"bytes sent per rank per step {worst:,} B = (K+1)(N-1)/N * {b}Ψ = {expect:,} B ({K} reduce-scatters "
+             f"+ 1 all-gather; stage 1 sends 2(N-1)/N * {b}Ψ; expected within 0.5%: padding and two scalars)")
+    same = common.gather(ranks, common.params_hash(run2s) == common.params_hash(run2))
+    ck.check(all(same), f"--no-overlap: parameters bit-identical to the overlapped run's on {sum(same)} of "
+             f"{common.n_ranks(N)}, expected all (overlap changes the timing, never the numbers)")
+    if ranks.rank == 0:
+        from llmz.trace import overlap_us
+        png = os.path.splitext(trace)[0] + ".png"
+        spans = {s: sum(e["tid"] == s for e in events) for s in ("compute", "comm")}
+        ok = os.path.getsize(png) > 0 and spans["compute"] == spans["comm"] == K * (L + 2)
+        text = (f"timeline {png} written: {spans['compute']} compute + {spans['comm']} comm spans in step {traced}, "
+                f"expected K*(L+2) = {K * (L + 2)} each (compute and comm overlap {overlap_us(events) / 1e3:.2f} ms: "
+                f"0 on cpu and sim, where everything runs in program order)")
+    else:
+        ok, text = True, ""
+    ck.check(ok, text)
+    run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
+    if ranks.rank == 0:
+        reports = {"stage 0": run0.memory, "stage 1": run1.memory, "stage 2": run2.memory}
+        path = os.path.join(a.out, "memory_per_rank.png")
+        common.plot_memory(reports, path, f"memory per rank, {N} ranks, {psi:,} parameters ({a.precision})")
+        common.say(ranks, f"wrote {path}")
+    return ck.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2))

@@ -1,0 +1,187 @@
+"""What every lesson shares: its flags, building an llmz.train.Run, and the checkpoints.
+
+A checkpoint compares a measured number with what the lesson's idea predicts, and rank 0 prints both:
+    CHECKPOINT 2/4: parameters bit-identical on all 2 ranks: 1 distinct hash (3f2a9c01d4e7) ... PASS
+Its verdict is collective (failed on any rank = failed on all), so every rank exits with the same code and
+none is left waiting for another. The training itself is llmz's: these helpers only build and compare.
+
+LLMZ_LESSON_BREAK=skip_all_gather (lessons 02, 03) or skip_all_reduce (lesson 01) removes that collective
+on purpose, to watch the matching checkpoints fail (tests/test_lessons.py does).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import socket
+import sys
+
+import numpy as np
+
+from llmz.device import KINDS, resolve
+
+# Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
+# the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
+# a little by each AdamW step (it divides by sqrt(v), so small gradients matter as much as large ones).
+LOSS_RTOL = {"fp64": 1e-10, "fp32": 1e-4}
+# The model each device runs by default: the lessons' deep and narrow preset (8 layers of 32 channels), or
+# on the simulator, which runs every CUDA thread as a Python thread, the 2-layer `tiny` on a few tokens.
+DEFAULTS = {"cpu": ("thin", 2, 32), "gpu": ("thin", 4, 32), "sim": ("tiny", 1, 4)}
+BREAKS = ("skip_all_gather", "skip_all_reduce")
+
+
+# ---- flags ------------------------------------------------------------------------------------------------
+def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None) -> argparse.Namespace:
+    """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
+    p.add_argument("--device", choices=KINDS, default="auto", help="auto: gpu where there is one, else cpu")
+    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="as in llmz.train")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {steps}; {sim_steps} on sim)")
+    p.add_argument("--model", default=None, help="preset (default thin; tiny on sim)")
+    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank")
+    p.add_argument("--seq-len", "-t", type=int, default=None, help="T (also the model's max_seq_len)")
+    if grad_accum is not None:
+        p.add_argument("--grad-accum", type=int, default=grad_accum, help="K micro-steps per step")
+    p.add_argument("--out", default="lessons_out", help="where figures go")
+    a = p.parse_args(argv)
+    a.kind = resolve(a.device)
+    a.precision = "fp32" if a.kind == "gpu" else "fp64"
+    model, B, T = DEFAULTS[a.kind]
+    a.model = a.model or model
+    a.batch_size = a.batch_size or B
+    a.seq_len = a.seq_len or T
+    a.steps = a.steps or (sim_steps if a.kind == "sim" else steps)
+    a.grad_accum = getattr(a, "grad_accum", 1)
+    a.rtol = LOSS_RTOL[a.precision]
+    return a
+
+
+def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None) -> int:
+    """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
+    ends every rank (llmz.launch.abort_on_error)."""
+    a = parse(doc, argv, steps, sim_steps, grad_accum)
+    from llmz.launch import abort_on_error, init_ranks
+    ranks = init_ranks()
+    with abort_on_error(ranks):
+        code = lesson(a, ranks)
+    return code
+
+
+# ---- building runs ----------------------------------------------------------------------------------------
+def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None = None,
+                trace: str | None = None, overlap: bool = True) -> list[str]:
+    """The llmz.train flags of a lesson's run: its device and model, a learning rate that moves in a few
+    steps, weight decay and clipping switched on so every part of the update runs, no validation."""
+    f = ["--device", a.kind, "--precision", a.precision, "--comm", comm or a.comm, "--zero-stage", str(stage),
+         "--model", a.model, "--max-seq-len", str(a.seq_len), "-t", str(a.seq_len),
+         "-b", str(batch_size or a.batch_size), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
+         "--lr", "1e-2", "--warmup-steps", "2", "--lr-schedule", "constant", "--weight-decay", "0.1",
+         "--grad-clip", "1.0", "--val-data", "", "--quiet"]
+    if trace:
+        f += ["--trace", trace]
+    if not overlap:
+        f += ["--no-overlap"]
+    return f
+
+
+def make_run(a, ranks, stage: int, **kw):
+    """An llmz.train.Run (device, communicator, data, model, ZeRO stage) for these ranks."""
+    from llmz.train import Run, build_parser, check_args, defaults_for
+    args = build_parser().parse_args(train_flags(a, stage, **kw))
+    defaults_for(args, a.kind)
+    check_args(args)
+    return Run(args, a.kind, ranks)
+
+
+def one_rank(ranks):
+    """A world of one on this rank's device: with it a Run talks to nobody (its communicator is local)."""
+    from llmz.launch import RankInfo
+    return RankInfo(0, 1, ranks.local_rank, 1, getattr(ranks, "hostname", socket.gethostname()))
+
+
+def apply_break(stage) -> None:
+    """LLMZ_LESSON_BREAK: remove one collective from a ZeRO stage on purpose (see the module docstring)."""
+    what = os.environ.get("LLMZ_LESSON_BREAK", "")
+    if what and what not in BREAKS:
+        raise SystemExit(f"LLMZ_LESSON_BREAK={what}: choose one of {', '.join(BREAKS)}")
+    if what == "skip_all_gather":
+        stage.gather_parameters = lambda: None
+    if what == "skip_all_reduce":
+        stage.reduce_gradients = lambda: None
+
+
+# ---- across ranks -----------------------------------------------------------------------------------------
+def gather(ranks, obj) -> list:
+    """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
+    if ranks.world_size == 1:
+        return [obj]
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.allgather(obj)
+
+
+def params_hash(run) -> str:
+    """A short fingerprint of this rank's full parameters: equal hashes = the same bits."""
+    return hashlib.sha256(np.ascontiguousarray(run.host_params()).tobytes()).hexdigest()[:12]
+
+
+def max_rel_diff(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def n_ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
+
+
+def say(ranks, *args) -> None:
+    if ranks.rank == 0:
+        print(*args, flush=True)
+
+
+class Checkpoints:
+    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints."""
+
+    def __init__(self, ranks, total: int):
+        self.ranks, self.total, self.done, self.failed = ranks, total, 0, 0
+
+    def check(self, ok: bool, text: str) -> bool:
+        ok = all(gather(self.ranks, bool(ok)))          # collective: failed anywhere = failed everywhere
+        self.done += 1
+        say(self.ranks, f"CHECKPOINT {self.done}/{self.total}: {text} ... {'PASS' if ok else 'FAIL'}")
+        self.failed += not ok
+        return ok
+
+    def exit_code(self) -> int:
+        assert self.done == self.total, f"the lesson announced {self.total} checkpoints and ran {self.done}"
+        say(self.ranks, f"{self.total - self.failed} of {self.total} checkpoints passed")
+        return 1 if self.failed else 0
+
+
+# ---- figures ----------------------------------------------------------------------------------------------
+def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
+    """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cats = ("parameters", "gradients", "optimizer_state", "activations")
+    names = list(reports)
+    top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
+    unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    bottom = np.zeros(len(names))
+    for c in cats:
+        v = np.array([reports[n]["measured"][c] for n in names]) / scale
+        ax.bar(names, v, bottom=bottom, label=c.replace("_", " "), edgecolor="black", linewidth=0.5)
+        bottom += v
+    ax.set_ylabel(f"{unit} per rank")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit("lessons.common holds the lessons' helpers; run a lesson, e.g. python -m lessons.00_one_device")
