@@ -33,19 +33,19 @@ if [[ $what == stages || $what == all ]]; then
 fi
 if [[ $what == trace || $what == all ]]; then
   # stage 2 on one rank with NCCL: the reduce-scatters and accumulates run on the comm stream
-  F="--device gpu --model d12 -b 4 -t 1024 --steps 4 --val-every 0 --val-batches 1 --sample-tokens 0 --zero-stage 2 --comm nccl"
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 3 --val-every 0 --val-batches 1 --sample-tokens 0 --zero-stage 2 --comm nccl"
   run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --trace "$OUT/trace_stage2.json" --log "$OUT/overlap.jsonl" 2>&1 | tail -1
   run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --no-overlap --trace "$OUT/trace_stage2_serial.json" --log "$OUT/serial.jsonl" 2>&1 | tail -1
 fi
 if [[ $what == resume || $what == all ]]; then
-  F="--device gpu --model d12 -b 4 -t 1024 --steps 6 --val-every 0 --val-batches 1 --sample-tokens 0 --checkpoint-every 3"
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 4 --val-every 0 --val-batches 1 --sample-tokens 0 --checkpoint-every 2"
   run timeout 150 $py -m llmz.train $F --checkpoint-dir "$OUT/ck_straight" --log "$OUT/straight.jsonl" 2>&1 | tail -1
-  run timeout 150 $py -m llmz.train $F --checkpoint-dir "$OUT/ck_resumed" --resume "$OUT/ck_straight/step_000003" --log "$OUT/resumed.jsonl" 2>&1 | tail -1
+  run timeout 150 $py -m llmz.train $F --checkpoint-dir "$OUT/ck_resumed" --resume "$OUT/ck_straight/step_000002" --log "$OUT/resumed.jsonl" 2>&1 | tail -1
   rm -rf "$OUT"/ck_straight "$OUT"/ck_resumed
 fi
 if [[ $what == lessons || $what == all ]]; then
   for l in 00_one_device 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding 04_stochastic_rounding; do
-    run timeout 120 $py -m lessons.$l --device gpu --out "$OUT/lessons1" 2>&1 | grep -E "CHECKPOINT|rror" 
+    [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu --out "$OUT/lessons1" 2>&1 | grep -E "CHECKPOINT|rror"
     [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi --out "$OUT/lessons2" 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi
