@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", "-b", type=int, default=None, help="B per rank (default 16 cpu, 32 gpu)")
     a("--seq-len", "-t", type=int, default=None, help="T (default 64 cpu, 256 gpu)")
     a("--grad-accum", type=int, default=1, help="K micro-steps per optimizer step")
-    a("--steps", type=int, default=None, help="optimizer steps (default 600 cpu, 2000 gpu)")
+    a("--steps", type=int, default=None, help="optimizer steps (default 1500 cpu, 2000 gpu)")
     a("--lr", type=float, default=1e-3)
     a("--warmup-steps", type=int, default=20)
     a("--lr-schedule", choices=("cosine", "constant"), default="cosine")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--beta2", type=float, default=0.95)
     a("--eps", type=float, default=1e-8)
     a("--grad-clip", type=float, default=1.0, help="0 = off")
-    a("--val-every", type=int, default=100, help="0 = only at the end")
+    a("--val-every", type=int, default=250, help="0 = only at the end")
     a("--val-batches", type=int, default=10)
     a("--sample-every", type=int, default=0, help="0 = only at the end")
     a("--sample-tokens", type=int, default=200)
@@ -84,7 +84,7 @@ def defaults_for(args, kind: str) -> None:
     if args.seq_len is None:
         args.seq_len = 256 if gpu else 64
     if args.steps is None:
-        args.steps = 2000 if gpu else 600
+        args.steps = 2000 if gpu else 1500
 
 
 def default_model(kind: str) -> str:
