@@ -77,7 +77,10 @@ class _GpuStream:
         import cupy
         from numba import cuda
         self.name = name
-        self.cupy = cupy.cuda.Stream(non_blocking=True)
+        # a blocking stream: it waits for work on the legacy default stream and that stream waits for it,
+        # so a stray CuPy call that lands on the default stream stays in order (a non-blocking stream
+        # raced there: parameters uploaded on one stream were read on another before they arrived)
+        self.cupy = cupy.cuda.Stream(non_blocking=False)
         self.numba = cuda.external_stream(self.cupy.ptr)
 
     def synchronize(self) -> None:

@@ -42,7 +42,7 @@ class ZeroStage:
         self.tracer = tracer
         self.allocated: dict[str, int] = {}          # category -> bytes this object allocated (memory report)
         self.params = self._alloc("parameters", layout.total)
-        self.params[...] = dev.asarray(params_host, dev.dtype)
+        dev.copy_from_host(self.params, params_host)       # on the compute stream, in order with the kernels
         self.pviews = layout.views(self.params)
         n_opt = layout.total if self.stage == 0 else layout.shard_total
         self.m = self._alloc("optimizer_state", n_opt)
