@@ -18,12 +18,14 @@ import functools
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
 from llmz.errors import LlmzError
 
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
+ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
@@ -90,7 +92,9 @@ def _die(rank: int, world_size: int, line: str | None, code: int) -> None:
     sys.stdout.flush()
     if world_size > 1:
         # MPI_Abort: the launcher kills every rank, so none waits forever in a collective.
-        # (MPICH adds its own line "application called MPI_Abort(...)".)
+        # (MPICH adds its own line "application called MPI_Abort(...)".) The launcher forwards our stderr
+        # through a pipe and drops what it has not forwarded when it kills the job: give it a moment.
+        time.sleep(ABORT_GRACE_S)
         sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
     sys.exit(code)
 
