@@ -26,11 +26,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args(argv)
     kind = resolve(args.device)
+    from .comm import make_communicator
     from .config import preset
     from .device import Device
-    from .layout import Layout, init_parameters
     from .launch import init_ranks
-    from .comm import make_communicator
+    from .layout import Layout, init_parameters
     from .model import GPT2
     from .optim import AdamW
     from .train import mfu

@@ -27,7 +27,7 @@ def gpu_available() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    except Exception:  # noqa: BLE001  (no CuPy, no driver, no device: all mean 'no GPU')
         return False
 
 

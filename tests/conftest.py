@@ -4,14 +4,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from llmz.device import gpu_available  # noqa: E402  (imports no numba)
+from llmz.device import gpu_available
 
 HAVE_GPU = gpu_available()
 if not HAVE_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

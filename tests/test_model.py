@@ -16,7 +16,7 @@ def random_params(layout, rng):
     """Init, then perturb every tensor (biases and layernorms too) so no gradient path is trivially zero."""
     flat = init_parameters(layout, seed=int(rng.integers(1 << 30)))
     for v in layout.views(flat):
-        for name, t in v.items():
+        for t in v.values():
             t += rng.normal(0, 0.1, t.shape)
     v0 = layout.views(flat)[0]
     v0["wte"][layout.config.vocab_size:] = 0          # padded rows stay zero

@@ -1,6 +1,10 @@
-import sys, numpy as np
-from llmz.state import load_checkpoint, full_ranges
+import sys
+
+import numpy as np
+
 from llmz.layout import Layout, init_parameters
+from llmz.state import full_ranges, load_checkpoint
+
 ck = load_checkpoint(sys.argv[1])
 lay = Layout(ck.config, 1)
 p = ck.assemble("params", full_ranges(lay))
