@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|bench|stages|all     (writes logs under $OUT when set, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -47,5 +47,20 @@ if [[ $what == lessons || $what == all ]]; then
   for l in 00_one_device 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding 04_stochastic_rounding; do
     [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu --out "$OUT/lessons1" 2>&1 | grep -E "CHECKPOINT|rror"
     [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi --out "$OUT/lessons2" 2>&1 | grep -E "CHECKPOINT|rror"
+  done
+fi
+if [[ $what == multi ]]; then
+  # issue 10: one rank per GPU with NCCL; N from the visible GPU count. The single-GPU reference runs the
+  # union batch (B*N per step) so its token stream equals the N ranks' together.
+  N=$(nvidia-smi -L | wc -l); B=${B:-8}; STEPS=${STEPS:-20}
+  F="--device gpu --model d12 -t 1024 --steps $STEPS --val-every 0 --val-batches 1 --sample-tokens 0 --quiet"
+  run timeout 300 $py -m llmz.train $F -b $((B * N)) --log "$OUT/multi_single.jsonl" 2>&1 | tail -1
+  for s in 0 1 2; do
+    run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage $s --comm nccl --log "$OUT/multi_n${N}_s$s.jsonl" 2>&1 | tail -1
+  done
+  run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --trace "$OUT/multi_trace.json" --log "$OUT/multi_overlap.jsonl" 2>&1 | tail -1
+  run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --no-overlap --log "$OUT/multi_serial.jsonl" 2>&1 | tail -1
+  for l in 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding; do
+    run timeout 150 $MPIEXEC -n $N $py -m lessons.$l --device gpu --comm nccl --out "$OUT/lessons_multi" 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi
