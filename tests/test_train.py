@@ -94,3 +94,12 @@ def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
     assert "error" in err[0] and "Traceback" not in p.stderr
     if case in ("magic", "truncated", "init_from"):
         assert "bin" in err[0]                                    # names the file
+
+
+def test_bench_prints_ms_and_tokens_per_second_on_cpu():
+    p = subprocess.run([sys.executable, "-m", "llmz.bench", "--device", "cpu", "--model", "tiny", "--vocab-size",
+                        "256", "-b", "2", "-t", "16", "--steps", "2", "--warmup", "1"], cwd=REPO,
+                       capture_output=True, text=True, check=False, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if " ms " in line and "tokens/s" in line]
+    assert len(lines) == 2, p.stdout          # forward+backward, training step
