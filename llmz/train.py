@@ -303,7 +303,6 @@ class Run:
             x, y = self.train_loader.next_batch()
             dev.copy_from_host(self.x, x)
             dev.copy_from_host(self.y, y)
-            z.begin_micro_step(micro, K)
             m.forward(z.pviews, self.x, self.y)
             m.backward(z.pviews, z, self.x, self.y, dloss)
             loss_sum += m.mean_loss()

@@ -50,7 +50,6 @@ class ZeroStage:
         self.scalars = dev.zeros(4, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t]
         self.norm_sq = dev.zeros(1, np.float64)
         self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
-        self.micro_step, self.grad_accum = 0, 1
 
     def _alloc(self, category: str, n: int, dtype=None):
         a = self.dev.zeros(n, dtype=dtype)
@@ -69,13 +68,6 @@ class ZeroStage:
         e.wait(self.dev.compute_stream)
 
     # ---- the training step -------------------------------------------------------------------------
-    def begin_micro_step(self, micro_step: int, grad_accum: int) -> None:
-        self.micro_step, self.grad_accum = micro_step, grad_accum
-
-    @property
-    def last_micro_step(self) -> bool:
-        return self.micro_step == self.grad_accum - 1
-
     def reduce_gradients(self) -> None:
         """After the last micro-step's backward: make the (owned) gradients the average over ranks."""
         raise NotImplementedError
