@@ -124,9 +124,9 @@ class Layout:
         """Where bucket b's slice starts inside a rank's shard buffer (the same on every rank)."""
         return b.offset // self.world_size
 
-    def shard_decay_size(self, b: Bucket, rank: int) -> int:
-        """How many leading elements of rank's slice of b get weight decay."""
-        start, end = self.shard_range(b, rank)
+    @staticmethod
+    def decay_size_in(b: Bucket, start: int, end: int) -> int:
+        """How many leading elements of the stretch [start, end) of bucket b get weight decay."""
         return int(min(max(b.decay_size - start, 0), end - start))
 
     def decay_mask(self) -> np.ndarray:

@@ -94,25 +94,27 @@ class ZeroStage:
         self.zero_grad()
         return float(np.sqrt(dev.to_host(self.norm_sq)[0]))
 
-    def adamw(self) -> None:
+    def grad_slice(self, b, start: int, end: int):
+        """The averaged gradient of [start, end) of bucket b, after reduce_gradients."""
         raise NotImplementedError
+
+    def adamw(self) -> None:
+        """AdamW on what this rank owns: every bucket whole at stage 0, my slice of each at stages 1 and 2.
+        m and v hold those stretches one after another (owned_ranges)."""
+        L, o = self.layout, self.opt
+        at = 0
+        for b, s, e in self.owned_ranges():
+            n = e - s
+            adamw_update(self.dev, L.bucket_buffer(self.params, b)[s:e], self.grad_slice(b, s, e),
+                         self.m[at:at + n], self.v[at:at + n], L.decay_size_in(b, s, e),
+                         self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
+            at += n
 
     def gather_parameters(self) -> None:
         pass
 
     def zero_grad(self) -> None:
         pass
-
-    def _adamw_bucket_slices(self, grads_of_bucket):
-        """AdamW on my slice of each bucket; grads_of_bucket(b) gives the gradient slice for bucket b."""
-        L, o, dev = self.layout, self.opt, self.dev
-        for b in L.buckets:
-            s, e = L.shard_range(b, self.rank)
-            at = L.shard_offset(b)
-            n = e - s
-            adamw_update(dev, L.bucket_buffer(self.params, b)[s:e], grads_of_bucket(b),
-                         self.m[at:at + n], self.v[at:at + n], L.shard_decay_size(b, self.rank),
-                         self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
 
     def _all_gather_parameters(self) -> None:
         # the comm stream must wait for the AdamW kernels (llm.c's master misses this wait)
@@ -182,13 +184,9 @@ class Stage0(ZeroStage):
     def owned_grads(self) -> list:
         return [self.grads]
 
-    def adamw(self) -> None:
-        o = self.opt
-        for b in self.layout.buckets:
-            adamw_update(self.dev, self.layout.bucket_buffer(self.params, b),
-                         self.layout.bucket_buffer(self.grads, b),
-                         self.m[b.offset:b.offset + b.padded_size], self.v[b.offset:b.offset + b.padded_size],
-                         b.decay_size, self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
+    def grad_slice(self, b, start: int, end: int):
+        # stage 0: the all-reduced bucket; stage 1: my reduce-scattered slice, in place in the full buffer
+        return self.layout.bucket_buffer(self.grads, b)[start:end]
 
     def zero_grad(self) -> None:
         zero(self.dev, self.grads)
@@ -206,16 +204,8 @@ class Stage1(Stage0):
             self.comm.reduce_scatter(self.layout.bucket_buffer(self.grads, b), op="avg")
         self.compute_waits_for_comm()
 
-    def my_grad_slice(self, b):
-        """After the in-place reduce-scatter, my averaged slice of bucket b inside the full buffer."""
-        s, e = self.layout.shard_range(b, self.rank)
-        return self.layout.bucket_buffer(self.grads, b)[s:e]
-
     def owned_grads(self) -> list:
-        return [self.my_grad_slice(b) for b in self.layout.buckets]
-
-    def adamw(self) -> None:
-        self._adamw_bucket_slices(self.my_grad_slice)
+        return [self.grad_slice(b, s, e) for b, s, e in self.owned_ranges()]
 
     def gather_parameters(self) -> None:
         self._all_gather_parameters()
@@ -233,24 +223,20 @@ class Stage2(ZeroStage):
         L = self.layout
         self.grad_shard = self._alloc("gradients", L.shard_total)          # persistent, my slice of all
         slot_size = max(b.padded_size for b in L.buckets[1:-1])
-        self.slots = [self._alloc("gradients", slot_size) for _ in range(2)]
-        self.emb_grads = self._alloc("gradients", L.embeddings.padded_size)
-        self.lnf_grads = self._alloc("gradients", L.lnf.padded_size)
+        # the reusable gradient buffers: two block slots, the embeddings', the final layernorm's
+        self.buffers = {0: self._alloc("gradients", slot_size), 1: self._alloc("gradients", slot_size),
+                        "emb": self._alloc("gradients", L.embeddings.padded_size),
+                        "lnf": self._alloc("gradients", L.lnf.padded_size)}
         # an event per reusable buffer: recorded on the comm stream once the buffer is zeroed again
         self.free = {}
         self.reduce_scatters_in_backward = 0
 
-    def _buffer(self, b: int):
-        L = self.layout
-        if b == 0:
-            return self.emb_grads
-        if b == len(L.buckets) - 1:
-            return self.lnf_grads
-        return self.slots[(b - 1) % 2]          # block l = bucket l+1 uses slot l % 2
-
     def _key(self, b: int):
-        L = self.layout
-        return "emb" if b == 0 else "lnf" if b == len(L.buckets) - 1 else (b - 1) % 2
+        """Which buffer bucket b writes into: block l (bucket l+1) uses slot l % 2."""
+        return "emb" if b == 0 else "lnf" if b == len(self.layout.buckets) - 1 else (b - 1) % 2
+
+    def _buffer(self, b: int):
+        return self.buffers[self._key(b)]
 
     # the gradient store backward writes into (see llmz.model)
     def bucket(self, b: int) -> dict:
@@ -292,10 +278,9 @@ class Stage2(ZeroStage):
     def owned_grads(self) -> list:
         return [self.grad_shard]
 
-    def adamw(self) -> None:
-        L = self.layout
-        self._adamw_bucket_slices(
-            lambda b: self.grad_shard[L.shard_offset(b):L.shard_offset(b) + b.shard_size])
+    def grad_slice(self, b, start: int, end: int):
+        at = self.layout.shard_offset(b)
+        return self.grad_shard[at:at + end - start]
 
     def gather_parameters(self) -> None:
         self._all_gather_parameters()
