@@ -56,9 +56,7 @@ def lesson(a, ranks) -> int:
                  f"expected <= {a.rtol:.0e})")
     else:
         ck.check(True, "")                         # only rank 0 runs the reference; its verdict is the check's
-    hashes = common.gather(ranks, common.params_hash(run))
-    ck.check(len(set(hashes)) == 1, f"parameters bit-identical on {common.n_ranks(N)}: {len(set(hashes))} distinct "
-             f"hash(es) ({', '.join(sorted(set(hashes)))}), expected 1")
+    common.check_params_identical(ck, ranks, run)
     common.say(ranks, table(run.memory))
     m = run.memory["measured"]
     want = {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 2 * b * psi}

@@ -50,9 +50,7 @@ def lesson(a, ranks) -> int:
     d = common.max_rel_diff(losses1, losses0)
     ck.check(d <= a.rtol, f"losses of stage 1 = stage 0's over {a.steps} steps: {losses1[-1]:.10f} vs "
              f"{losses0[-1]:.10f} at the last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})")
-    hashes = common.gather(ranks, common.params_hash(run1))
-    ck.check(len(set(hashes)) == 1, f"parameters bit-identical on {common.n_ranks(N)}: {len(set(hashes))} distinct "
-             f"hash(es) ({', '.join(sorted(set(hashes)))}), expected 1")
+    common.check_params_identical(ck, ranks, run1)
     opt0, opt1 = run0.memory["measured"]["optimizer_state"], run1.memory["measured"]["optimizer_state"]
     formula = 2 * b * psi // N
     pad = 2 * b * len(run1.layout.buckets)          # m and v: at most one padded value per bucket per rank

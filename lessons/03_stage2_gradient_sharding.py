@@ -73,9 +73,7 @@ def lesson(a, ranks) -> int:
     d = common.max_rel_diff(losses2, losses1)
     ck.check(d <= a.rtol, f"losses of stage 2 = stage 1's over {a.steps} steps of K={K}: {losses2[-1]:.10f} vs "
              f"{losses1[-1]:.10f} at the last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})")
-    hashes = common.gather(ranks, common.params_hash(run2))
-    ck.check(len(set(hashes)) == 1, f"parameters bit-identical on {common.n_ranks(N)}: {len(set(hashes))} distinct "
-             f"hash(es) ({', '.join(sorted(set(hashes)))}), expected 1")
+    common.check_params_identical(ck, ranks, run2)
     slot = max(bk.padded_size for bk in lay.buckets[1:-1])
     parts = {"shard": lay.shard_total, "two slots": 2 * slot, "embeddings": lay.embeddings.padded_size,
              "lnf": lay.lnf.padded_size}

@@ -125,6 +125,13 @@ def params_hash(run) -> str:
     return hashlib.sha256(np.ascontiguousarray(run.host_params()).tobytes()).hexdigest()[:12]
 
 
+def check_params_identical(ck, ranks, run) -> bool:
+    """The checkpoint every ZeRO lesson ends with: all ranks hold the same parameter bits."""
+    hashes = set(gather(ranks, params_hash(run)))
+    return ck.check(len(hashes) == 1, f"parameters bit-identical on {n_ranks(ranks.world_size)}: {len(hashes)} "
+                    f"distinct hash(es) ({', '.join(sorted(hashes))}), expected 1")
+
+
 def max_rel_diff(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.max(np.abs(a - b) / np.abs(b)))
