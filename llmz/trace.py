@@ -8,9 +8,12 @@ spans are host clock readings and the picture shows the collectives serialised w
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
+
+from .data import atomic_write
 
 
 class Tracer:
@@ -57,17 +60,10 @@ class Tracer:
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if self.rank != 0:                      # every rank traces; rank 0's timeline is written
             return trace
-        write_atomic_text(path, json.dumps(trace, indent=1))
+        atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
         plot_png(events, png, f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)")
         return trace
-
-
-def write_atomic_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def overlap_us(events: list[dict]) -> float:
@@ -96,7 +92,7 @@ def plot_png(events: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("ms since the step began")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write(path, [png.getvalue()])
