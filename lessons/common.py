@@ -171,6 +171,8 @@ def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from llmz.trace import save_png
     cats = ("parameters", "gradients", "optimizer_state", "activations")
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
@@ -184,10 +186,8 @@ def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
     ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

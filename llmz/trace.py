@@ -91,6 +91,12 @@ def plot_png(events: list[dict], path: str, title: str) -> None:
     ax.set_yticks([0, 1], ["comm stream", "compute stream"])
     ax.set_xlabel("ms since the step began")
     ax.set_title(title, fontsize=9)
+    save_png(fig, path)
+
+
+def save_png(fig, path: str) -> None:
+    """Write a matplotlib figure as a PNG, whole or not at all (data.atomic_write), and close it."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
