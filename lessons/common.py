@@ -87,11 +87,9 @@ def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None =
 
 def make_run(a, ranks, stage: int, **kw):
     """An llmz.train.Run (device, communicator, data, model, ZeRO stage) for these ranks."""
-    from llmz.train import Run, build_parser, check_args, defaults_for
-    args = build_parser().parse_args(train_flags(a, stage, **kw))
-    defaults_for(args, a.kind)
-    check_args(args)
-    return Run(args, a.kind, ranks)
+    from llmz.train import Run, parse_args
+    args, kind = parse_args(train_flags(a, stage, **kw), kind=a.kind)
+    return Run(args, kind, ranks)
 
 
 def one_rank(ranks):

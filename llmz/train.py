@@ -87,6 +87,16 @@ def defaults_for(args, kind: str) -> None:
         args.steps = 2000 if gpu else 1500
 
 
+def parse_args(argv=None, kind: str | None = None):
+    """Flags -> (args, device kind): parsed, the device resolved (before numba is imported: the simulator
+    needs that) unless `kind` is given, the device-dependent defaults filled in, and checked."""
+    args = build_parser().parse_args(argv)
+    kind = kind or resolve(args.device)
+    defaults_for(args, kind)
+    check_args(args)
+    return args, kind
+
+
 def default_model(kind: str) -> str:
     return "d6" if kind == "gpu" else "small"
 
@@ -458,12 +468,9 @@ def train(args, kind: str, ranks) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     from .errors import LlmzError
     try:
-        kind = resolve(args.device)          # before numba is imported (the simulator needs that)
-        defaults_for(args, kind)
-        check_args(args)
+        args, kind = parse_args(argv)
     except (LlmzError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -245,12 +245,10 @@ def test_kill_9_of_one_rank_ends_the_others_and_keeps_the_last_complete_checkpoi
 
 def in_process_args(tmp_path, *extra):
     """Flags for train() in this process (one rank, no MPI): a tiny float64 run."""
-    from llmz.train import build_parser, check_args, defaults_for
-    args = build_parser().parse_args(["--device", "cpu", "--precision", "fp64", "--model", "tiny", "-b", "2",
-                                      "-t", "8", "--max-seq-len", "16", "--val-batches", "1",
-                                      "--sample-tokens", "4", "--quiet", *extra])
-    defaults_for(args, "cpu")
-    check_args(args)
+    from llmz.train import parse_args
+    args, _ = parse_args(["--device", "cpu", "--precision", "fp64", "--model", "tiny", "-b", "2", "-t", "8",
+                          "--max-seq-len", "16", "--val-batches", "1", "--sample-tokens", "4", "--quiet", *extra],
+                         kind="cpu")
     return args
 
 

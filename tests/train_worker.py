@@ -10,12 +10,8 @@ import numpy as np
 
 def main() -> int:
     out, argv = sys.argv[1], sys.argv[2:]
-    from llmz.device import resolve
-    from llmz.train import build_parser, check_args, defaults_for
-    args = build_parser().parse_args(argv)
-    kind = resolve(args.device)
-    defaults_for(args, kind)
-    check_args(args)
+    from llmz.train import parse_args
+    args, kind = parse_args(argv)
     from llmz.launch import abort_on_error, init_ranks
     ranks = init_ranks()
     with abort_on_error(ranks):
