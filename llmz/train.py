@@ -305,14 +305,12 @@ class Run:
     def step(self, step: int) -> dict:
         """K micro-steps of forward+backward, then the ZeRO stage's reduce / update / gather.
         Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm."""
-        a, dev, z, m = self.args, self.dev, self.zero, self.model
+        a, z, m = self.args, self.zero, self.model
         K = a.grad_accum
         dloss = 1.0 / (a.batch_size * a.seq_len * K)
         loss_sum = 0.0
         for micro in range(K):
-            x, y = self.train_loader.next_batch()
-            dev.copy_from_host(self.x, x)
-            dev.copy_from_host(self.y, y)
+            self.next_batch(self.train_loader)
             m.forward(z.pviews, self.x, self.y)
             m.backward(z.pviews, z, self.x, self.y, dloss)
             loss_sum += m.mean_loss()
@@ -320,6 +318,12 @@ class Run:
         grad_norm = z.update(step)
         loss = self.mean_over_ranks(loss_sum / K)
         return {"loss": loss, "grad_norm": grad_norm}
+
+    def next_batch(self, loader) -> None:
+        """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream)."""
+        x, y = loader.next_batch()
+        self.dev.copy_from_host(self.x, x)
+        self.dev.copy_from_host(self.y, y)
 
     def mean_over_ranks(self, x: float) -> float:
         buf = self.dev.asarray(np.array([x], dtype=np.float64))
@@ -333,9 +337,7 @@ class Run:
         n = min(batches, self.val_loader.num_batches)
         total = 0.0
         for _ in range(n):
-            x, y = self.val_loader.next_batch()
-            self.dev.copy_from_host(self.x, x)
-            self.dev.copy_from_host(self.y, y)
+            self.next_batch(self.val_loader)
             self.model.forward(self.zero.pviews, self.x, self.y)
             total += self.model.mean_loss()
         return self.mean_over_ranks(total / n)
