@@ -103,8 +103,7 @@ def lesson(a, ranks) -> int:
         model.forward(z.pviews, run.x, run.y)                      # activations and per-position losses
         losses.append(model.mean_loss())
         model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
-        z.reduce_gradients()                                       # one rank: nothing to reduce
-        norm = z.update(step)                                      # norm, clip, AdamW; zero the gradients
+        norm = z.update(step)              # reduce (one rank: nothing), norm, clip, AdamW; zero the gradients
         common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
     ck.check(losses[-1] < losses[0], f"loss on one batch falls over {a.steps} steps: {losses[0]:.4f} -> "
              f"{losses[-1]:.4f} (expected: lower at the end)")

@@ -1,82 +1,155 @@
-"""python -m llmz.bench: time GPT-2's forward+backward and the whole training step on one device.
+"""python -m llmz.bench: time llmz's training step, kernel by kernel, and beside PyTorch.
 
-Prints ms per forward+backward and per optimizer step, tokens/s and (on a known GPU) MFU, and the peak
-memory. The teaching kernels are what runs today; faster paths are measured against these numbers.
+Trains `--model` (d12 = GPT-2 124M) on random tokens through llmz.train.Run (the same step that
+`python -m llmz.train` runs: CUDA graphs, ZeRO stage, everything) for a few warm-up and then timed steps,
+and prints ms per step, tokens/s, MFU and the GPU memory held.
+  --per-kernel  one more step, eager, with CUDA events around every kernel and cuBLAS call: a table of
+                each kernel's time per step, its share, and the TFLOP/s or GB/s it reached against the
+                card's ceilings (bytes = the arrays a kernel touches, each counted once)
+  --vs-torch    a plain PyTorch eager GPT-2 of the same shapes, precision and optimizer (llmz.torch_ref),
+                timed in the same process; prints the ratio
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-from .device import KINDS, resolve
+from .device import ATTENTIONS, KINDS, MATMULS, resolve
+
+# the card's ceilings for the per-kernel table: HBM bandwidth, dense tensor-core throughput
+CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
+            "H100": {"GB/s": 3350.0, "fp32": 494.7, "bf16": 989.4}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--device", choices=KINDS, default="auto")
+    a("--model", default="d12")
+    a("--vocab-size", type=int, default=50257)
+    a("-b", "--batch-size", type=int, default=16)
+    a("-t", "--seq-len", type=int, default=1024)
+    a("--precision", choices=("fp32", "fp64"), default="fp32")
+    a("--matmul", choices=MATMULS, default="auto")
+    a("--attention", choices=ATTENTIONS, default="auto")
+    a("--no-tf32", action="store_true")
+    a("--no-cuda-graph", action="store_true")
+    a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
+    a("--warmup", type=int, default=3)
+    a("--steps", type=int, default=10)
+    a("--per-kernel", action="store_true", help="a table of every kernel's time per step")
+    a("--vs-torch", action="store_true", help="time PyTorch eager on the same shapes and print the ratio")
+    a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
+      help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
+    return p
+
+
+def make_run(args, kind: str, data_path: str):
+    """An llmz.train.Run of `args` training on the token file at data_path."""
+    from .launch import init_ranks
+    from .train import Run, parse_args
+    flags = ["--device", kind, "--model", args.model, "--vocab-size", str(args.vocab_size),
+             "-b", str(args.batch_size), "-t", str(args.seq_len), "--precision", args.precision,
+             "--matmul", args.matmul, "--attention", args.attention, "--zero-stage", str(args.zero_stage),
+             "--train-data", data_path, "--val-data", "", "--steps", str(args.warmup + args.steps + 1),
+             "--lr", "3e-4", "--warmup-steps", "0", "--quiet"]
+    flags += ["--no-tf32"] * args.no_tf32 + ["--no-cuda-graph"] * args.no_cuda_graph
+    run_args, kind = parse_args(flags, kind=kind)
+    return Run(run_args, kind, init_ranks())
+
+
+def gpu_name(dev) -> str:
+    return dev.xp.cuda.runtime.getDeviceProperties(dev.gpu_index)["name"].decode() if dev.kind == "gpu" else ""
+
+
+def per_kernel(run, step: int, precision: str) -> str:
+    """One eager step with every kernel timed by CUDA events: the table as text."""
+    dev = run.dev
+    dev.synchronize()
+    enabled, run.graphs.enabled = run.graphs.enabled, False
+    dev.profile = []
+    run.step(step)
+    dev.synchronize()
+    records, dev.profile = dev.profile, None
+    run.graphs.enabled = enabled
+    import cupy
+    rows: dict[str, list] = {}
+    for name, e0, e1, flops, nbytes in records:
+        r = rows.setdefault(name, [0, 0.0, 0, 0])
+        r[0] += 1
+        r[1] += cupy.cuda.get_elapsed_time(e0.cupy, e1.cupy)
+        r[2] += flops
+        r[3] += nbytes
+    total = sum(r[1] for r in rows.values())
+    ceil = next((v for k, v in CEILINGS.items() if k in gpu_name(dev)), None)
+    lines = [f"per kernel, one eager step ({len(records)} launches; GPU time {total:.1f} ms):",
+             f"  {'kernel':<36}{'calls':>6}{'ms/step':>10}{'share':>8}{'achieved':>14}{'of ceiling':>12}"]
+    for name, (calls, ms, flops, nbytes) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        if flops:
+            rate, unit = flops / (ms * 1e-3) / 1e12, "TFLOP/s"
+            peak = ceil and ceil["bf16" if precision == "bf16" else "fp32"]
+        else:
+            rate, unit = nbytes / (ms * 1e-3) / 1e9, "GB/s"
+            peak = ceil and ceil["GB/s"]
+        frac = f"{rate / peak * 100:9.1f}%" if peak else ""
+        lines.append(f"  {name:<36}{calls:>6}{ms:>10.2f}{ms / total * 100:>7.1f}%{rate:>8.1f} {unit:<7}{frac:>10}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=KINDS, default="auto")
-    p.add_argument("--model", default="d12")
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("-b", "--batch-size", type=int, default=4)
-    p.add_argument("-t", "--seq-len", type=int, default=1024)
-    p.add_argument("--precision", choices=("fp32", "fp64"), default="fp32")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     kind = resolve(args.device)
-    from .comm import make_communicator
     from .config import preset
-    from .device import Device
-    from .launch import init_ranks
-    from .layout import Layout, init_parameters
-    from .model import GPT2
-    from .optim import AdamW
+    from .data import write_tokens
     from .train import mfu
-    from .zero import make_stage
-    dtype = np.float64 if args.precision == "fp64" else np.float32
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
-    dev = Device(kind, dtype)
-    layout = Layout(cfg, 1)
-    ranks = init_ranks()
-    comm = make_communicator("auto", ranks, dev)
-    stage = make_stage(0, layout, dev, comm, AdamW(), init_parameters(layout, 0))
-    model = GPT2(cfg, dev, B, T)
-    rng = np.random.default_rng(0)
-    x = dev.asarray(rng.integers(0, cfg.vocab_size, (B, T)), np.int32)
-    y = dev.asarray(rng.integers(0, cfg.vocab_size, (B, T)), np.int32)
-    print(f"bench: {dev.kind} {args.precision}, model {args.model} ({cfg.num_parameters():,} parameters), "
-          f"B={B} T={T}")
-
-    def fwd_bwd():
-        model.forward(stage.pviews, x, y)
-        model.backward(stage.pviews, stage, x, y, 1.0 / (B * T))
-
-    def step(i):
-        fwd_bwd()
-        stage.reduce_gradients()
-        stage.update(i)
-
-    for name, fn in (("forward+backward", lambda i: fwd_bwd()), ("training step", step)):
+    with tempfile.TemporaryDirectory() as tmp:
+        # random tokens, enough for every step to read a fresh batch
+        path = os.path.join(tmp, "bench_tokens.bin")
+        n = B * T * (args.warmup + args.steps + 3) + 1
+        write_tokens(path, np.random.default_rng(0).integers(0, cfg.vocab_size, n, dtype=np.int64))
+        run = make_run(args, kind, path)
+        dev = run.dev
+        paths = (f"matmul {dev.matmul}"
+                 f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
+                 f"attention {dev.attention}" if dev.kernels else "the NumPy references")
+        print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs {'on' if run.graphs.enabled else 'off'}, ZeRO stage "
+              f"{args.zero_stage}; model {args.model} ({cfg.num_parameters():,} parameters), B={B} T={T}")
         for i in range(args.warmup):
-            fn(i)
+            run.step(i)
         dev.synchronize()
         times = []
-        for i in range(args.steps):
+        for i in range(args.warmup, args.warmup + args.steps):
             t0 = time.perf_counter()
-            fn(i)
-            dev.synchronize()
+            out = run.step(i)          # ends with the host reading the loss and the norm: a full sync
             times.append(time.perf_counter() - t0)
         ms = float(np.median(times)) * 1e3
         tps = B * T / (ms / 1e3)
         util = mfu(tps, cfg, T, dev, args.precision)
-        print(f"  {name:<17} {ms:10.1f} ms (median of {args.steps}) {tps:12.0f} tokens/s"
-              + (f"   MFU {util * 100:.2f}%" if util is not None else ""))
-    if dev.kind == "gpu":
-        pool = dev.xp.get_default_memory_pool()
-        print(f"  GPU memory held by CuPy's pool: {pool.total_bytes() / 2**30:.2f} GiB")
+        print(f"  training step {ms:9.2f} ms (median of {args.steps}) {tps:12,.0f} tokens/s"
+              + (f"   MFU {util * 100:.1f}%" if util is not None else "") + f"   loss {out['loss']:.4f}")
+        if dev.kind == "gpu":
+            pool = dev.xp.get_default_memory_pool()
+            free, total = dev.xp.cuda.runtime.memGetInfo()
+            print(f"  GPU memory: CuPy pool {pool.total_bytes() / 2**30:.2f} GiB; in use on the card "
+                  f"{(total - free) / 2**30:.2f} GiB")
+        if args.per_kernel:
+            print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
+                  else "per kernel: needs a GPU (CUDA events)")
+    if args.vs_torch:
+        from .torch_ref import torch_bench
+        del run
+        r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, attention=args.torch_attention)
+        print(f"  PyTorch {r['torch_version']} eager ({r['attention']}, {args.precision}"
+              f"{', TF32' if args.precision == 'fp32' else ''}): {r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} "
+              f"tokens/s, peak {r['peak_bytes'] / 2**30:.2f} GiB")
+        print(f"  llmz / PyTorch = {tps / r['tokens_per_s']:.3f}")
     return 0
 
 

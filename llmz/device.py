@@ -12,12 +12,21 @@ are no-ops because everything already runs in program order.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import numpy as np
 
 KINDS = ("auto", "gpu", "cpu", "sim")
+MATMULS = ("auto", "cublas", "numba")
+ATTENTIONS = ("auto", "gemm", "direct")
+
+# Ordering between streams is ours to make, with events (llmz.zero). Left on, CuPy would export its current
+# stream with every array and Numba would synchronise that stream on the host at every kernel launch that
+# takes a CuPy array: a host sync per kernel, and impossible inside a captured CUDA graph.
+os.environ.setdefault("CUPY_CUDA_ARRAY_INTERFACE_EXPORT_VERSION", "2")
+os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 
 
 def gpu_available() -> bool:
@@ -106,10 +115,22 @@ class _GpuEvent:
 class Device:
     """Where arrays live and how kernels launch. `dtype` is the compute dtype of parameters/activations."""
 
-    def __init__(self, kind: str = "cpu", dtype=np.float32, gpu_index: int = 0):
+    def __init__(self, kind: str = "cpu", dtype=np.float32, gpu_index: int = 0, matmul: str = "auto",
+                 attention: str = "auto", tf32: bool = True):
         self.kind = resolve(kind)
         self.dtype = np.dtype(dtype)
         self.kernels = self.kind in ("gpu", "sim")       # False: run the NumPy references
+        # how products are computed (llmz.kernels.gemm): cuBLAS on a GPU by default, the tiled Numba kernel
+        # in the simulator; attention as batched products + a softmax kernel, or the direct teaching kernels
+        if matmul not in MATMULS or attention not in ATTENTIONS:
+            raise ValueError(f"unknown matmul {matmul!r} or attention {attention!r}")
+        if matmul == "cublas" and self.kind != "gpu":
+            raise ValueError("--matmul cublas needs --device gpu")
+        self.matmul = matmul if matmul != "auto" else "cublas" if self.kind == "gpu" else "numba"
+        self.attention = attention if attention != "auto" else "gemm" if self.kind == "gpu" else "direct"
+        self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
+        self._cublas = None
+        self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
         # threads per block for 1-D kernels: the simulator runs each thread as a Python thread, keep it small
         self.block_size = 32 if self.kind == "sim" else 256
         if self.kind == "gpu":
@@ -128,6 +149,7 @@ class Device:
             self.compute_stream = _NoStream("compute")
             self.comm_stream = _NoStream("comm")
         self.gpu_index = gpu_index
+        self._scratch: dict = {}
 
     # ---- memory -------------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -140,6 +162,24 @@ class Device:
 
     def empty(self, shape, dtype=None):
         return self.xp.empty(shape, dtype=dtype or self.dtype)
+
+    def full(self, shape, value, dtype=None):
+        """A new array filled with `value` (on the GPU, filled on this Device's compute stream)."""
+        if self.kind != "gpu":
+            return np.full(shape, value, dtype=dtype or self.dtype)
+        with self.compute_stream.cupy:
+            return self.xp.full(shape, value, dtype=dtype or self.dtype)
+
+    def scratch(self, name: str, shape, dtype=None):
+        """A kernel's scratch buffer (partial sums, bucket tables), allocated on the first request for this
+        name and shape and reused after: the warm-up step allocates, a captured step never does. Only the
+        compute stream may use it (one kernel's scratch is free again once the next kernel starts)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        key = (name, shape, np.dtype(dtype or self.dtype).str)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = self.zeros(shape, dtype)
+        return buf
 
     def asarray(self, a, dtype=None):
         """Host (NumPy) array -> an array on this device (a copy; on the GPU ordered on the compute stream)."""
@@ -170,10 +210,30 @@ class Device:
         return np.asarray(a)
 
     # ---- execution ----------------------------------------------------------------------------
-    def launch(self, kernel, grid, block, *args, stream=None, shared: int = 0) -> None:
+    def launch(self, kernel, grid, block, *args, stream=None, shared: int = 0, flops: int = 0) -> None:
         """kernel[grid, block, stream, shared](*args) on the compute stream (or `stream`)."""
         s = (stream or self.compute_stream).numba
-        kernel[grid, block, s, shared](*args)
+        if self.profile is None:
+            kernel[grid, block, s, shared](*args)
+            return
+        nbytes = sum(a.nbytes for a in args if hasattr(a, "nbytes"))
+        with self.region(kernel.py_func.__name__, flops=flops, nbytes=nbytes, stream=stream):
+            kernel[grid, block, s, shared](*args)
+
+    @contextlib.contextmanager
+    def region(self, name: str, flops: int = 0, nbytes: int = 0, stream=None):
+        """While self.profile is a list, time the GPU work enqueued inside with two CUDA events and append
+        (name, start, end, flops, bytes) to it; otherwise do nothing. nbytes: the arrays the work touches,
+        each counted once (reads + writes of a kernel that streams through them)."""
+        if self.profile is None or self.kind != "gpu":
+            yield
+            return
+        s = stream or self.compute_stream
+        e0, e1 = self.event(timing=True), self.event(timing=True)
+        e0.record(s)
+        yield
+        e1.record(s)
+        self.profile.append((name, e0, e1, flops, nbytes))
 
     def event(self, timing: bool = False):
         return _GpuEvent(timing) if self.kind == "gpu" else _NoEvent()

@@ -69,6 +69,9 @@ class Activations:
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
         self.probs = z((B, T, Vp))
         self.losses = z((B, T))
+        # attention's gemm path keeps q, k, v head-major for backward (llm.c's qkvr)
+        if dev.kernels and dev.attention == "gemm":
+            self.qkvr = z((L, 3, B, NH, T, C // NH))
         # backward scratch, reused by every block
         self.dresidual = z((B, T, C))           # gradient flowing down the residual stream
         self.dbtc = z((B, T, C))                # dlnf, then per block dln2, datty, dln1
@@ -91,6 +94,9 @@ class GPT2:
         self.config, self.dev, self.B, self.T = config, dev, B, T
         self.layout = None
         self.acts = Activations(config, dev, B, T)
+        # the batch's positions sorted by token (llmz.kernels.encoder.wte_buckets, built on the host by
+        # whoever uploads the batch): the fast deterministic wte backward; None: the teaching kernel
+        self.wte_buckets = None
 
     def forward(self, p: list[dict], inputs, targets=None) -> None:
         """p: named views per bucket [embeddings, block0.., lnf]; inputs, targets: (B, T) int32 on the device.
@@ -106,7 +112,8 @@ class GPT2:
             layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
                               w["ln1w"], w["ln1b"])
             matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
-            attention_forward(dev, a.atty[layer], a.preatt[layer], a.att[layer], a.qkv[layer], c.num_heads)
+            attention_forward(dev, a.atty[layer], a.preatt[layer], a.att[layer], a.qkv[layer], c.num_heads,
+                              self.qkvr(layer))
             matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
             # MLP branch: x + fcproj(gelu(fc(ln2(x))))
@@ -159,7 +166,8 @@ class GPT2:
             matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
                             w["attprojw"])
             zero(dev, a.dqkv)
-            attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH)
+            attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
+                               self.qkvr(layer))
             zero(dev, a.dbtc)
             matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"])
             layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
@@ -167,8 +175,13 @@ class GPT2:
             # dresidual now holds d(block input); this block's bucket is complete
             grads.done(1 + layer)
         gemb = grads.bucket(0)
-        encoder_backward(dev, gemb["wte"], gemb["wpe"], a.dresidual, inputs)
+        encoder_backward(dev, gemb["wte"], gemb["wpe"], a.dresidual, inputs, buckets=self.wte_buckets)
         grads.done(0)
+
+    def qkvr(self, layer: int):
+        """Layer's head-major q, k, v (attention's gemm path), else None."""
+        q = getattr(self.acts, "qkvr", None)
+        return None if q is None else q[layer]
 
     # ---- conveniences for scripts and tests (host side) -----------------------------------------
     def mean_loss(self) -> float:

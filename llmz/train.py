@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .device import KINDS, resolve
+from .device import ATTENTIONS, KINDS, MATMULS, resolve
 
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
 PEAK_TFLOPS = {"H100": {"fp32": 494.7, "bf16": 989.4}, "H200": {"fp32": 494.7, "bf16": 989.4},
@@ -30,12 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
       "references; sim: the kernels in Numba's CUDA simulator (tiny models only)")
     a("--precision", choices=("fp32", "fp64"), default="fp32", help="fp64 only on cpu and sim")
     a("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="collective backend between ranks")
+    a("--matmul", choices=MATMULS, default="auto", help="cublas (GPU default: cuBLAS via CuPy, TF32 for "
+      "fp32) or numba (the tiled teaching kernel; the simulator's default)")
+    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (GPU default: batched products + a "
+      "softmax kernel, llm.c's non-cuDNN path) or direct (one teaching kernel per step of the math)")
+    a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
+    a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
+      "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
     a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
     a("--no-overlap", action="store_true", help="stage 2: serialise each reduce-scatter with backward")
     a("--model", default=None, help="preset: tiny, small, d2, d4, d6, d12, ... (default: small on cpu, "
       "d6 on gpu)")
     a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file")
     a("--max-seq-len", type=int, default=None, help="model's maxT for a preset (default 1024)")
+    a("--vocab-size", type=int, default=None, help="model's V for a preset (default: the tokenizer's; "
+      "50257 gives GPT-2's shapes with any token file)")
     a("--seed", type=int, default=1337)
     a("--train-data", default=os.path.join(DEFAULT_DATA, "shakespeare_train.bin"), metavar="GLOB")
     a("--val-data", default=os.path.join(DEFAULT_DATA, "shakespeare_val.bin"), metavar="GLOB")
@@ -94,6 +103,9 @@ def parse_args(argv=None, kind: str | None = None):
     kind = kind or resolve(args.device)
     defaults_for(args, kind)
     check_args(args)
+    if args.matmul == "cublas" and kind != "gpu":
+        from .errors import LlmzError
+        raise LlmzError(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
     return args, kind
 
 
@@ -174,7 +186,8 @@ class Run:
         self.notes: list[str] = []                  # lines for rank 0 to print (resume decisions)
         dtype = np.float64 if args.precision == "fp64" else np.float32
         from .device import Device
-        self.dev = Device(kind, dtype, gpu_index=ranks.local_rank)
+        self.dev = Device(kind, dtype, gpu_index=ranks.local_rank, matmul=args.matmul,
+                          attention=args.attention, tf32=not args.no_tf32)
         self.comm = comm.make_communicator(args.comm, ranks, self.dev)
         self.tok = tokenizer.load_tokenizer(args.tokenizer)
         # model: a checkpoint to resume, an llm.c file, or a preset
@@ -189,7 +202,8 @@ class Run:
             self.layout = layout.Layout(cfg, self.world_size)
             params = self.layout.from_llmc(llmc, np.float64)
         else:
-            cfg = config.preset(args.model or default_model(kind), vocab_size=self.tok.vocab_size,
+            cfg = config.preset(args.model or default_model(kind),
+                                vocab_size=args.vocab_size or self.tok.vocab_size,
                                 max_seq_len=args.max_seq_len or 1024)
             self.layout = layout.Layout(cfg, self.world_size)
             params = layout.init_parameters(self.layout, args.seed)
@@ -224,6 +238,12 @@ class Run:
         self.tokens_per_step = B * T * args.grad_accum * self.world_size
         self.x = self.dev.zeros((B, T), np.int32)
         self.y = self.dev.zeros((B, T), np.int32)
+        self.loss_sum = self.dev.zeros(1, np.float64)    # the step's summed per-position losses, on device
+        # the micro-step and the update replay as CUDA graphs where every call in them can be captured:
+        # not with MPI's host-staged collectives, not while tracing (host timestamps)
+        from .graph import Graphs
+        self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace)
+                             and self.comm.name in ("local", "nccl"))
         self.start_step = 0
         if self.resumed:
             self.restore(self.resumed)
@@ -250,7 +270,8 @@ class Run:
         ckpt = load_checkpoint(path)
         if a.model:
             from .config import preset
-            want = preset(a.model, vocab_size=self.tok.vocab_size, max_seq_len=a.max_seq_len or 1024)
+            want = preset(a.model, vocab_size=a.vocab_size or self.tok.vocab_size,
+                          max_seq_len=a.max_seq_len or 1024)
             if want != ckpt.config:
                 raise LlmzError(f"{path}: the checkpoint's model is {ckpt.config}, but --model {a.model} "
                                 f"gives {want}")
@@ -304,26 +325,40 @@ class Run:
     # ---- one optimizer step ------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         """K micro-steps of forward+backward, then the ZeRO stage's reduce / update / gather.
-        Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm."""
-        a, z, m = self.args, self.zero, self.model
-        K = a.grad_accum
-        dloss = 1.0 / (a.batch_size * a.seq_len * K)
-        loss_sum = 0.0
-        for micro in range(K):
+        Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm.
+        On the GPU both parts replay as CUDA graphs (llmz.graph); the loss and the norm are read once, at
+        the end."""
+        from .kernels.fill import zero
+        z = self.zero
+        zero(self.dev, self.loss_sum)
+        for micro in range(self.args.grad_accum):
             self.next_batch(self.train_loader)
-            m.forward(z.pviews, self.x, self.y)
-            m.backward(z.pviews, z, self.x, self.y, dloss)
-            loss_sum += m.mean_loss()
-        z.reduce_gradients()
-        grad_norm = z.update(step)
-        loss = self.mean_over_ranks(loss_sum / K)
+            self.graphs.run("micro_step", self.micro_step)
+        z.set_scalars(step)
+        self.graphs.run("update", z.optimize)
+        loss_sum = float(self.dev.to_host(self.loss_sum)[0])
+        grad_norm = z.grad_norm()
+        loss = self.mean_over_ranks(loss_sum / (self.args.grad_accum * self.x.size))
         return {"loss": loss, "grad_norm": grad_norm}
+
+    def micro_step(self) -> None:
+        """Forward and backward of the batch in self.x, self.y; its losses summed into self.loss_sum.
+        No host synchronisation, no allocation (a CUDA graph captures it)."""
+        from .kernels.norm import sum_into
+        a, z, m = self.args, self.zero, self.model
+        m.forward(z.pviews, self.x, self.y)
+        sum_into(self.dev, self.loss_sum, m.acts.losses)
+        m.backward(z.pviews, z, self.x, self.y, 1.0 / (a.batch_size * a.seq_len * a.grad_accum))
+        z.backward_done()
 
     def next_batch(self, loader) -> None:
         """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream)."""
         x, y = loader.next_batch()
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
+        if self.dev.kind == "gpu":           # the positions sorted by token, for the fast wte backward
+            from .kernels.encoder import wte_buckets_upload
+            self.model.wte_buckets = wte_buckets_upload(self.dev, x)
 
     def mean_over_ranks(self, x: float) -> float:
         buf = self.dev.asarray(np.array([x], dtype=np.float64))

@@ -76,23 +76,41 @@ class ZeroStage:
         """The pieces of gradient this rank owns after reduce_gradients (for the norm)."""
         raise NotImplementedError
 
+    def backward_done(self) -> None:
+        """After each micro-step's backward: the compute stream may go on (stage 2 overrides this)."""
+
     def update(self, step: int) -> float:
-        """Norm, clip, AdamW on what this rank owns, then restore full parameters everywhere.
-        Returns the global gradient norm (reading it is the one host synchronisation of the step)."""
+        """The optimizer step after the last micro-step: reduce, norm, clip, AdamW, gather, zero the
+        gradients. Returns the global gradient norm (reading it is the one host synchronisation)."""
+        self.set_scalars(step)
+        self.optimize()
+        return self.grad_norm()
+
+    def set_scalars(self, step: int) -> None:
+        """Copy this step's [lr, 1, 1-beta1^t, 1-beta2^t] to the device (outside any captured graph)."""
+        self.dev.copy_from_host(self.scalars, np.array(self.opt.scalars(step), dtype=np.float64))
+
+    def optimize(self) -> None:
+        """Everything of the update that runs on the device, with no host synchronisation (a CUDA graph
+        can capture it): make the gradients the average over ranks, the global norm from each rank's owned
+        sum of squares (all-reduced), the clip factor, AdamW on what this rank owns, full parameters
+        everywhere again, gradients zeroed for the next step."""
         dev = self.dev
-        # global norm: each rank's sum of squares over what it owns, all-reduced, then the square root
+        self.reduce_gradients()
         for i, g in enumerate(self.owned_grads()):
             norm_squared(dev, self.norm_sq, g, self.norm_scratch, accumulate=i > 0)
         if self.stage > 0:
             self.comm_waits_for_compute()
             self.comm.all_reduce(self.norm_sq, op="sum")
             self.compute_waits_for_comm()
-        dev.copy_from_host(self.scalars, np.array(self.opt.scalars(step), dtype=np.float64))
         clip_scale(dev, self.scalars, self.norm_sq, self.opt.grad_clip)
         self.adamw()
         self.gather_parameters()
         self.zero_grad()
-        return float(np.sqrt(dev.to_host(self.norm_sq)[0]))
+
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last optimize() (a host read: synchronises the compute stream)."""
+        return float(np.sqrt(self.dev.to_host(self.norm_sq)[0]))
 
     def grad_slice(self, b, start: int, end: int):
         """The averaged gradient of [start, end) of bucket b, after reduce_gradients."""
@@ -270,6 +288,13 @@ class Stage2(ZeroStage):
             self.free[self._key(b)] = ev        # compute waits only before it reuses the buffer
         else:
             ev.wait(dev.compute_stream)        # serialised: compute waits right away
+
+    def backward_done(self) -> None:
+        """The compute stream waits for the last reduce-scatter of this micro-step (the embeddings'), so
+        every buffer is free again and nothing is left on the comm stream (a captured graph must end
+        joined)."""
+        self.compute_waits_for_comm()
+        self.free.clear()
 
     def reduce_gradients(self) -> None:
         # everything was reduce-scattered during backward; the optimizer must wait for the last of it

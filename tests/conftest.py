@@ -31,9 +31,29 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def kdev():
-    """The device that runs the Numba kernels: the simulator on CI, the real GPU where there is one."""
+    """The device that runs the Numba teaching kernels (tiled matmul, direct attention): the simulator on
+    CI, the real GPU where there is one."""
     from llmz.device import Device
-    return Device("gpu" if HAVE_GPU else "sim", np.float32)
+    return Device("gpu" if HAVE_GPU else "sim", np.float32, matmul="numba", attention="direct")
+
+
+@pytest.fixture(scope="session")
+def fdev():
+    """The fast path: on a GPU cuBLAS (TF32) products and gemm attention; in the simulator the same gemm
+    attention algorithm on the tiled product, so its Numba kernels (head split/merge, row softmax) run on CI."""
+    from llmz.device import Device
+    if HAVE_GPU:
+        return Device("gpu", np.float32, matmul="cublas", attention="gemm")
+    return Device("sim", np.float32, matmul="numba", attention="gemm")
+
+
+@pytest.fixture(scope="session")
+def fdev_exact():
+    """cuBLAS in full fp32 (TF32 off) with gemm attention: the fast path's wiring checked to fp32 accuracy."""
+    if not HAVE_GPU:
+        pytest.skip("needs a CUDA GPU (CuPy sees none)")
+    from llmz.device import Device
+    return Device("gpu", np.float32, matmul="cublas", attention="gemm", tf32=False)
 
 
 @pytest.fixture(scope="session")

@@ -113,3 +113,61 @@ def test_attention_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
     print(f"attention B={B} T={T} C={C} NH={NH}: relative error vs float64 {err}; worst {max(err.values()):.2e}")
     # float32 storage of every intermediate; dot products of 64 terms and row sums of up to 1024 in float64
     assert max(err.values()) < 1e-5
+
+
+# ---- the gemm path: head-major products + row softmax (the simulator runs it on the tiled product) --------
+def _forward_fast(fdev, inp, NH):
+    B, T, C3 = inp.shape
+    C = C3 // 3
+    out, preatt, att = poisoned(fdev, (B, T, C)), poisoned(fdev, (B, NH, T, T)), poisoned(fdev, (B, NH, T, T))
+    qkvr = poisoned(fdev, (3, B, NH, T, C // NH))
+    attention_forward(fdev, out, preatt, att, fdev.asarray(inp, np.float32), NH, qkvr)
+    return out, preatt, att, qkvr
+
+
+def test_attention_gemm_path_forward_and_backward_match_reference(fdev, rng):
+    inp = rng.normal(size=(B, T, 3 * C))
+    dout = rng.normal(size=(B, T, C))
+    out, preatt, att, qkvr = _forward_fast(fdev, inp, NH)
+    want = _forward_ref(inp, NH)
+    lower = np.tril(np.ones((T, T), dtype=bool))
+    # float32 inputs, products of 4 terms, float32 exp: a few ulps (TF32 on a GPU: ~1e-3)
+    tol = 5e-3 if fdev.matmul == "cublas" else 1e-6
+    assert rel_err(fdev.to_host(out), want[0]) < tol
+    assert rel_err(fdev.to_host(att), want[2]) < tol
+    # preatt is defined on and below the diagonal; att is exactly 0 above it
+    assert rel_err(fdev.to_host(preatt)[..., lower], want[1][..., lower]) < tol
+    assert np.all(fdev.to_host(att)[..., ~lower] == 0)
+    # backward from the same att; dinp accumulates, dpreatt and datt are scratch
+    dinp0 = rng.normal(size=inp.shape)
+    dinp = fdev.asarray(dinp0, np.float32)
+    dpreatt, datt = poisoned(fdev, want[2].shape), poisoned(fdev, want[2].shape)
+    attention_backward(fdev, dinp, dpreatt, datt, fdev.asarray(dout, np.float32), None, att, NH, qkvr)
+    rdinp = dinp0.copy()
+    attention_backward_ref(rdinp, np.empty(want[2].shape), np.empty(want[2].shape), dout, inp,
+                           fdev.to_host(att).astype(np.float64), NH)
+    assert rel_err(fdev.to_host(dinp), rdinp) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["tf32", "fp32"])
+def test_attention_gemm_path_matches_float64_reference_at_gpt2_size(fdev, fdev_exact, rng, which):
+    dev = fdev if which == "tf32" else fdev_exact
+    B, T, C, NH = 4, 1024, 768, 12
+    inp = rng.normal(size=(B, T, 3 * C)).astype(np.float32)
+    dout = rng.normal(size=(B, T, C)).astype(np.float32)
+    out, preatt, att, qkvr = _forward_fast(dev, inp, NH)
+    want = _forward_ref(inp.astype(np.float64), NH)
+    err = {"out": rel_err(dev.to_host(out), want[0]), "att": rel_err(dev.to_host(att), want[2])}
+    del want, preatt
+    att32 = dev.to_host(att)
+    dinp = dev.zeros(inp.shape)
+    dpreatt, datt = poisoned(dev, att32.shape), poisoned(dev, att32.shape)
+    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout), None, att, NH, qkvr)
+    rdinp = np.zeros(inp.shape)
+    attention_backward_ref(rdinp, np.empty(att32.shape), np.empty(att32.shape), dout.astype(np.float64),
+                           inp.astype(np.float64), att32.astype(np.float64), NH)
+    err["dinp"] = rel_err(dev.to_host(dinp), rdinp)
+    print(f"attention gemm path ({which}) B={B} T={T} C={C} NH={NH}: relative error vs float64 {err}")
+    # fp32: as the direct kernels; TF32: 10-bit mantissas in the products, ~1e-3
+    assert max(err.values()) < (1e-5 if which == "fp32" else 5e-3)

@@ -102,4 +102,4 @@ def test_bench_prints_ms_and_tokens_per_second_on_cpu():
                        capture_output=True, text=True, check=False, timeout=120)
     assert p.returncode == 0, p.stderr
     lines = [line for line in p.stdout.splitlines() if " ms " in line and "tokens/s" in line]
-    assert len(lines) == 2, p.stdout          # forward+backward, training step
+    assert len(lines) == 1 and "training step" in lines[0], p.stdout

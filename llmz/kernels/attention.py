@@ -10,13 +10,24 @@ Backward (softmax backward: dpreatt = att * (datt - sum_t2 att datt)):
 
 Unlike llm.c's CPU version, which accumulates into dpreatt and datt, attention_backward OVERWRITES them:
 they are scratch for this call only. dinp accumulates (+=) as in llm.c.
+
+Two ways to compute it on a GPU (dev.attention):
+  direct  one teaching kernel per line of the math above, one thread per output element.
+  gemm    llm.c's non-cuDNN path (llmc/attention.cuh): split q, k, v into head-major (B,NH,T,hs) arrays,
+          then every product above is a batch of B*NH matrix products (llmz.kernels.gemm: cuBLAS, or the
+          tiled kernel in the simulator), and the softmax and its backward are one block per row of att.
+          The products compute the whole T x T square; the softmax writes 0 above the diagonal, so the
+          wasted upper half never reaches the output. preatt is only defined on and below the diagonal.
 """
 import math
 
+import numba
 import numpy as np
 from numba import cuda
 
 from ..device import ceil_div
+from .gemm import gemm
+from .norm import MAX_BLOCK, block_max, block_sum
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -191,11 +202,154 @@ def attention_dinp_kernel(dinp, dpreatt, att, dout, inp, scale):
         dinp[b, t, 2 * C + c] += dv
 
 
+# ---- the gemm path's kernels: head-major copies and a softmax per row --------------------------------
+@cuda.jit
+def heads_split_kernel(y, x):
+    # x (B,T,S*C), y (S,B,NH,T,hs): y[s,b,h,t,i] = x[b,t, s*C + h*hs + i]. Overwrites y. One thread per element
+    # of y (S=3: q, k, v out of the qkv activation; S=1: dout).
+    _, B, NH, T, hs = y.shape
+    idx = cuda.grid(1)
+    if idx < y.size:
+        i = idx % hs
+        t = idx // hs % T
+        h = idx // (hs * T) % NH
+        b = idx // (hs * T * NH) % B
+        s = idx // (hs * T * NH * B)
+        y[s, b, h, t, i] = x[b, t, (s * NH + h) * hs + i]
+
+
+@cuda.jit
+def heads_merge_kernel(x, y, accumulate):
+    # the inverse: x[b,t, s*C + h*hs + i] (+)= y[s,b,h,t,i]. One thread per element of y, reading y in order.
+    _, B, NH, T, hs = y.shape
+    idx = cuda.grid(1)
+    if idx < y.size:
+        i = idx % hs
+        t = idx // hs % T
+        h = idx // (hs * T) % NH
+        b = idx // (hs * T * NH) % B
+        s = idx // (hs * T * NH * B)
+        c = (s * NH + h) * hs + i
+        if accumulate:
+            x[b, t, c] += y[s, b, h, t, i]
+        else:
+            x[b, t, c] = y[s, b, h, t, i]
+
+
+@cuda.jit
+def softmax_rows_kernel(att, preatt):
+    # att, preatt (R,T,T), R = B*NH. att[r,t,:] = softmax of preatt[r,t,:t+1], 0 above the diagonal.
+    # One block per row (r,t); its threads stride over t2 and meet in shared-memory reductions. Overwrites att.
+    T = att.shape[1]
+    row = cuda.blockIdx.x
+    r = row // T
+    t = row % T
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    # the row's maximum over t2 <= t
+    m = -math.inf
+    for t2 in range(tid, t + 1, nt):
+        m = max(m, numba.float64(preatt[r, t, t2]))
+    buf[tid] = m
+    cuda.syncthreads()
+    block_max(buf, tid, nt)
+    maxval = buf[0]
+    cuda.syncthreads()                  # everyone has read the max before buf is reused
+    # the sum of exp(x - max)
+    s = 0.0
+    for t2 in range(tid, t + 1, nt):
+        s += math.exp(preatt[r, t, t2] - maxval)
+    buf[tid] = s
+    cuda.syncthreads()
+    block_sum(buf, tid, nt)
+    inv = 1.0 / buf[0]
+    # normalise; 0 above the diagonal
+    for t2 in range(tid, T, nt):
+        att[r, t, t2] = math.exp(preatt[r, t, t2] - maxval) * inv if t2 <= t else 0.0
+
+
+@cuda.jit
+def softmax_rows_backward_kernel(dpreatt, datt, att):
+    # dpreatt, datt, att (R,T,T). dpreatt = att * (datt - sum over t2 <= t of att datt), 0 above the diagonal.
+    # One block per row. Overwrites dpreatt.
+    T = att.shape[1]
+    row = cuda.blockIdx.x
+    r = row // T
+    t = row % T
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    s = 0.0
+    for t2 in range(tid, t + 1, nt):
+        s += att[r, t, t2] * datt[r, t, t2]
+    buf[tid] = s
+    cuda.syncthreads()
+    block_sum(buf, tid, nt)
+    total = buf[0]
+    for t2 in range(tid, T, nt):
+        dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else 0.0
+
+
+def _heads(dev, kernel, *args) -> None:
+    y = args[1] if kernel is heads_merge_kernel else args[0]
+    dev.launch(kernel, ceil_div(y.size, dev.block_size), dev.block_size, *args)
+
+
+def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
+    """The gemm path of attention_forward; qkvr (3,B,NH,T,hs) receives q, k, v head-major (kept for
+    backward). Overwrites out, att, qkvr and preatt on and below the diagonal."""
+    B, T, C3 = inp.shape
+    C = C3 // 3
+    R, hs = B * num_heads, C // num_heads
+    q, k, v = (x.reshape(R, T, hs) for x in qkvr)
+    pre3, att3 = preatt.reshape(R, T, T), att.reshape(R, T, T)
+    # q, k, v head-major
+    _heads(dev, heads_split_kernel, qkvr, inp)
+    # preatt = q @ k.T / sqrt(hs), B*NH products of (T,hs) x (hs,T)
+    gemm(dev, pre3, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
+    # att = causal softmax of each row
+    dev.launch(softmax_rows_kernel, R * T, min(dev.block_size, MAX_BLOCK), att3, pre3)
+    # y = att @ v, head-major, then the heads back side by side into out
+    y = dev.scratch("attention_y", (1, B, num_heads, T, hs))
+    gemm(dev, y.reshape(R, T, hs), att3, v, False, False, False)
+    _heads(dev, heads_merge_kernel, out, y, False)
+
+
+def attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr) -> None:
+    """The gemm path of attention_backward, from forward's qkvr. Accumulates (+=) into dinp; overwrites
+    dpreatt, datt (scratch)."""
+    B, T, C = dout.shape
+    R, hs = B * num_heads, C // num_heads
+    q, k, v = (x.reshape(R, T, hs) for x in qkvr)
+    att3, datt3, dpre3 = att.reshape(R, T, T), datt.reshape(R, T, T), dpreatt.reshape(R, T, T)
+    dy = dev.scratch("attention_y", (1, B, num_heads, T, hs))
+    dqkvr = dev.scratch("attention_dqkv", (3, B, num_heads, T, hs))
+    dq, dk, dv = (x.reshape(R, T, hs) for x in dqkvr)
+    dy3 = dy.reshape(R, T, hs)
+    # dout head-major
+    _heads(dev, heads_split_kernel, dy, dout)
+    # through y = att @ v: datt = dy @ v.T, dv = att.T @ dy
+    gemm(dev, datt3, dy3, v, False, True, False)
+    gemm(dev, dv, att3, dy3, True, False, False)
+    # softmax backward, row by row
+    dev.launch(softmax_rows_backward_kernel, R * T, min(dev.block_size, MAX_BLOCK), dpre3, datt3, att3)
+    # through preatt = q @ k.T * scale: dq = dpreatt @ k * scale, dk = dpreatt.T @ q * scale
+    scale = 1.0 / math.sqrt(hs)
+    gemm(dev, dq, dpre3, k, False, False, False, alpha=scale)
+    gemm(dev, dk, dpre3, q, True, False, False, alpha=scale)
+    # dq | dk | dv back into the (B,T,3C) layout, added to dinp
+    _heads(dev, heads_merge_kernel, dinp, dqkvr, True)
+
+
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
-def attention_forward(dev, out, preatt, att, inp, num_heads) -> None:
-    """inp (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) kept for backward. Overwrites all three."""
+def attention_forward(dev, out, preatt, att, inp, num_heads, qkvr=None) -> None:
+    """inp (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) kept for backward. Overwrites all three.
+    With dev.attention == 'gemm' pass qkvr (3,B,NH,T,hs), which backward needs too."""
     if not dev.kernels:
         return attention_forward_ref(out, preatt, att, inp, num_heads)
+    if dev.attention == "gemm":
+        return attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr)
     B, T, C3 = inp.shape
     C = C3 // 3
     hs = C // num_heads
@@ -209,10 +363,13 @@ def attention_forward(dev, out, preatt, att, inp, num_heads) -> None:
     dev.launch(attention_values_kernel, ceil_div(B * T * C, bs), bs, out, att, inp)
 
 
-def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads) -> None:
-    """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=). dpreatt, datt (B,NH,T,T): scratch, overwritten."""
+def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, qkvr=None) -> None:
+    """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=). dpreatt, datt (B,NH,T,T): scratch, overwritten.
+    The gemm path reads forward's qkvr instead of inp."""
     if not dev.kernels:
         return attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads)
+    if dev.attention == "gemm":
+        return attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr)
     B, T, C3 = inp.shape
     C = C3 // 3
     hs = C // num_heads

@@ -9,9 +9,12 @@
 Kernels (the teaching versions):
   forward          one block per row; threads stride over C; two shared-memory reductions (mean, then variance)
   backward, rows   one block per row; two shared-memory reductions (the two means above), then dinp += ...
-  backward, params one thread per channel looping over all rows in order: deterministic, no atomics
+  backward, params two stages (reduce.py's column-sum pattern): stage 1, grid (ceil(C/32), ceil(N/256)),
+                   each block sums norm*dout and dout over a chunk of rows for a strip of 32 channels into two
+                   float64 (R,C) scratch buffers; stage 2, one thread per channel adds the R partials in order.
+                   It replaced one thread per channel looping over all N rows (only C threads in flight).
 Sums are accumulated in float64 (registers and shared memory) whatever the input dtype; the block's
-threads are summed by norm.block_sum, a tree in a fixed order (deterministic).
+threads are summed in a fixed order (norm.block_sum's tree, reduce.strip_partial's lanes): deterministic.
 """
 import math
 
@@ -21,6 +24,7 @@ from numba import cuda
 
 from ..device import ceil_div
 from .norm import MAX_BLOCK, block_sum
+from .reduce import COLSUM_STRIP, MAX_LANES, colsum_geometry, stage_rows, strip_partial, sum_partials
 
 LN_EPS = 1e-5
 
@@ -130,21 +134,34 @@ def layernorm_backward_inp_kernel(dinp, dout, inp, weight, mean, rstd):
 
 
 @cuda.jit
-def layernorm_backward_params_kernel(dweight, dbias, dout, inp, mean, rstd):
-    """dweight, dbias: (C,); dout, inp: (N,C); mean, rstd: (N,). One thread per channel, rows summed in order.
-    Accumulates (+=) into dweight, dbias."""
+def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rstd, rows_per_block):
+    """part_w, part_b: (R,C) float64; dout, inp: (N,C); mean, rstd: (N,). Stage 1, grid (ceil(C/32), R),
+    block (32, lanes): block (x, y) sums rows [y*rows_per_block, (y+1)*rows_per_block) of channels
+    [32x, 32x+32). Overwrites part_w[y], part_b[y] there."""
     N, C = inp.shape
-    c = cuda.grid(1)
+    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    c, first, end, step = stage_rows(N, rows_per_block)
+    acc_w = 0.0
+    acc_b = 0.0
     if c < C:
-        acc_w = 0.0
-        acc_b = 0.0
-        for row in range(N):
+        for row in range(first, end, step):
             # dbias: sum of dout; dweight: sum of norm * dout
             norm = (inp[row, c] - mean[row]) * rstd[row]
             acc_w += norm * dout[row, c]
             acc_b += dout[row, c]
-        dweight[c] += acc_w
-        dbias[c] += acc_b
+    # the block's lanes, in order
+    strip_partial(buf, acc_w, part_w, c)
+    strip_partial(buf, acc_b, part_b, c)
+
+
+@cuda.jit
+def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
+    """dweight, dbias: (C,); part_w, part_b: (R,C) float64. Stage 2, one thread per channel, the R chunks
+    summed in order. Accumulates (+=) into dweight, dbias."""
+    c = cuda.grid(1)
+    if c < dweight.shape[0]:
+        dweight[c] += sum_partials(part_w, c)
+        dbias[c] += sum_partials(part_b, c)
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
@@ -169,5 +186,10 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
     dout2, inp2, mean1, rstd1 = dout.reshape(-1, C), inp.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
     dev.launch(layernorm_backward_inp_kernel, rows, bs,
                dinp.reshape(-1, C), dout2, inp2, weight, mean1, rstd1)
-    dev.launch(layernorm_backward_params_kernel, ceil_div(C, bs), bs,
-               dweight, dbias, dout2, inp2, mean1, rstd1)
+    # dweight, dbias: partial sums over chunks of rows, then the chunks in order
+    grid, block, R, chunk = colsum_geometry(dev, rows, C)
+    part_w = dev.scratch("layernorm_dweight", (R, C), np.float64)
+    part_b = dev.scratch("layernorm_dbias", (R, C), np.float64)
+    dev.launch(layernorm_backward_params_partial_kernel, grid, block,
+               part_w, part_b, dout2, inp2, mean1, rstd1, chunk)
+    dev.launch(layernorm_backward_params_final_kernel, ceil_div(C, bs), bs, dweight, dbias, part_w, part_b)

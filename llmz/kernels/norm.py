@@ -138,6 +138,15 @@ def norm_squared(dev, out, x, scratch, accumulate: bool = False):
     dev.launch(norm_final_kernel, 1, dev.block_size, out, scratch, nblocks, bool(accumulate))
 
 
+def sum_into(dev, out, x, accumulate: bool = True):
+    """out: (1,) float64; x: any shape. out[0] (+)= the sum of x, in float64 and a fixed order (one block:
+    meant for small x, such as the (B,T) losses of a micro-step, summed on the device with no host read)."""
+    if not dev.kernels:
+        out[0] = (out[0] if accumulate else 0.0) + x.sum(dtype=np.float64)
+        return
+    dev.launch(norm_final_kernel, 1, dev.block_size, out, x.reshape(-1), x.size, bool(accumulate))
+
+
 def clip_scale(dev, scalars, norm_sq, clip):
     """scalars: float64 AdamW scalars; norm_sq: (1,) float64. Overwrites scalars[1] (grad_scale)."""
     if not dev.kernels:

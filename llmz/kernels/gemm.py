@@ -1,0 +1,171 @@
+"""The one product every linear layer and attention is made of:
+
+    c[z] (+)= alpha * op(a[z]) @ op(b[z])       for each batch index z;  op(x) = x, or x.T when trans_x
+
+a, b, c are C-contiguous, 2-D (one product) or 3-D (a batch of products of the same shape). Two ways to
+compute it, with the same arguments (`dev.matmul` picks one):
+
+  numba   gemm_tiled_kernel: TILE x TILE tiles of a and b staged through shared memory, one thread per
+          element of c. The teaching version; it runs in the simulator, reaches ~5 TFLOP/s on an H200.
+  cublas  cuBLAS's gemmEx / gemmStridedBatchedEx through CuPy: fp32 inputs on TF32 tensor cores (fp32
+          accumulation), ~400 TFLOP/s. accumulate=True is beta=1: cuBLAS adds into c, no extra buffer.
+
+cuBLAS is column-major and our arrays are row-major. A row-major (r, s) matrix read column-major is its
+transpose, so c = op(a) @ op(b) is computed as c.T = op(b).T @ op(a).T: the same call with a and b swapped
+and every leading dimension the number of columns of the row-major array.
+"""
+import numpy as np
+from numba import cuda
+
+from ..device import ceil_div
+
+TILE = 16   # the tiled kernel's blocks are TILE x TILE threads; each block computes one TILE x TILE tile of c
+
+
+# ---- NumPy reference ----------------------------------------------------------------------------
+def gemm_ref(c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
+    """c (Z,M,N) or (M,N) (+)= alpha * op(a) @ op(b)."""
+    opa = a.swapaxes(-1, -2) if trans_a else a
+    opb = b.swapaxes(-1, -2) if trans_b else b
+    prod = alpha * (opa @ opb)
+    if accumulate:
+        c += prod
+    else:
+        c[...] = prod
+
+
+# ---- the teaching kernel ------------------------------------------------------------------------
+@cuda.jit
+def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
+    # c (Z,M,N) = alpha * op(a) @ op(b) per batch index z, or += that when `accumulate`; op(a) (M,K), op(b)
+    # (K,N), so a is (Z,M,K), or (Z,K,M) when trans_a; b is (Z,K,N), or (Z,N,K) when trans_b.
+    # Block (bx, by, z) computes the tile c[z, by*TILE:(by+1)*TILE, bx*TILE:(bx+1)*TILE]; thread (tx, ty) one element.
+    _, M, N = c.shape
+    K = a.shape[1] if trans_a else a.shape[2]
+    a_tile = cuda.shared.array((TILE, TILE), dtype=a.dtype)
+    b_tile = cuda.shared.array((TILE, TILE), dtype=b.dtype)
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    z = cuda.blockIdx.z
+    row0 = cuda.blockIdx.y * TILE
+    col0 = cuda.blockIdx.x * TILE
+    acc = 0.0           # Numba types this float64: products of the tiles are summed in double
+    for k0 in range(0, K, TILE):
+        # stage a_tile = op(a)[row0:+TILE, k0:+TILE] and b_tile = op(b)[k0:+TILE, col0:+TILE], zero past the
+        # edges; on a transposed operand the threads swap roles so that consecutive tx read consecutive addresses
+        if trans_a:
+            i, k = row0 + tx, k0 + ty
+            a_tile[tx, ty] = a[z, k, i] if i < M and k < K else 0.0
+        else:
+            i, k = row0 + ty, k0 + tx
+            a_tile[ty, tx] = a[z, i, k] if i < M and k < K else 0.0
+        if trans_b:
+            j, k = col0 + ty, k0 + tx
+            b_tile[tx, ty] = b[z, j, k] if j < N and k < K else 0.0
+        else:
+            j, k = col0 + tx, k0 + ty
+            b_tile[ty, tx] = b[z, k, j] if j < N and k < K else 0.0
+        cuda.syncthreads()
+        # partial dot product of row ty of a_tile with column tx of b_tile
+        for kk in range(TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()   # everyone is done with the tiles before they are overwritten
+    i = row0 + ty
+    j = col0 + tx
+    if i < M and j < N:
+        # overwrite or accumulate (an overwritten c is never read: it may hold NaN)
+        if accumulate:
+            c[z, i, j] += alpha * acc
+        else:
+            c[z, i, j] = alpha * acc
+
+
+def gemm_tiled(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
+    """c (+)= alpha * op(a) @ op(b) with the tiled kernel; 2-D arrays are a batch of one."""
+    if c.ndim == 2:
+        c, a, b = c.reshape(1, *c.shape), a.reshape(1, *a.shape), b.reshape(1, *b.shape)
+    Z, M, N = c.shape
+    dev.launch(gemm_tiled_kernel, (ceil_div(N, TILE), ceil_div(M, TILE), Z), (TILE, TILE),
+               c, a, b, trans_a, trans_b, accumulate, alpha, flops=2 * Z * M * N * (a.size // (Z * M)))
+
+
+# ---- cuBLAS through CuPy --------------------------------------------------------------------------
+# cudaDataType and cublasComputeType_t values (cuda/library_types.h, cublas_api.h)
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16BF = 0, 1, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_64F = 68, 77, 70
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 << 20      # cuBLAS's workspace, set once: nothing is allocated while a graph is captured
+
+
+def _types(dev, dtype):
+    """(data type, compute type) for cuBLAS: fp32 on TF32 tensor cores unless dev.tf32 is off."""
+    if dtype == np.float32:
+        return CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32 if dev.tf32 else CUBLAS_COMPUTE_32F
+    if dtype == np.float64:
+        return CUDA_R_64F, CUBLAS_COMPUTE_64F
+    raise TypeError(f"cuBLAS gemm: no path for {dtype}")
+
+
+class _Cublas:
+    """The handle of the current device, its workspace, and alpha/beta in host memory that stays put
+    (cuBLAS reads them when the call is enqueued, also while a graph is being captured)."""
+
+    def __init__(self, dev):
+        from cupy.cuda import device
+        try:
+            from cupy_backends.cuda.libs import cublas
+        except ImportError:              # older CuPy
+            from cupy.cuda import cublas
+        self.lib = cublas
+        self.handle = device.get_cublas_handle()
+        self.workspace = dev.zeros(WORKSPACE_BYTES, np.uint8)
+        cublas.setWorkspace(self.handle, self.workspace.data.ptr, WORKSPACE_BYTES)
+        self.scalars = {}                # (value, numpy dtype) -> a 1-element host array kept alive
+
+    def scalar(self, value: float, dtype) -> int:
+        key = (float(value), np.dtype(dtype).str)
+        a = self.scalars.get(key)
+        if a is None:
+            a = self.scalars[key] = np.array([value], dtype=dtype)
+        return a.ctypes.data
+
+
+def _cublas(dev) -> _Cublas:
+    if dev._cublas is None:
+        dev._cublas = _Cublas(dev)
+    return dev._cublas
+
+
+def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
+    """c (+)= alpha * op(a) @ op(b) with cuBLAS, on the compute stream (CuPy's current stream)."""
+    cb = _cublas(dev)
+    batched = c.ndim == 3
+    Z = c.shape[0] if batched else 1
+    M, N = c.shape[-2:]
+    K = a.shape[-2] if trans_a else a.shape[-1]
+    dtype, compute = _types(dev, c.dtype)
+    # alpha, beta: fp32 scalars for an fp32 compute type, fp64 for fp64
+    sdt = np.float64 if compute == CUBLAS_COMPUTE_64F else np.float32
+    al, be = cb.scalar(alpha, sdt), cb.scalar(1.0 if accumulate else 0.0, sdt)
+    opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
+    opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
+    lda, ldb = a.shape[-1], b.shape[-1]
+    with dev.region("gemm_cublas", flops=2 * Z * M * N * K, nbytes=a.nbytes + b.nbytes + c.nbytes):
+        cb.lib.setStream(cb.handle, dev.compute_stream.cupy.ptr)
+        if not batched:
+            # c.T (N,M) = op(b).T (N,K) @ op(a).T (K,M), column-major
+            cb.lib.gemmEx(cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb, a.data.ptr, dtype, lda,
+                          be, c.data.ptr, dtype, N, compute, CUBLAS_GEMM_DEFAULT)
+        else:
+            cb.lib.gemmStridedBatchedEx(cb.handle, opb, opa, N, M, K, al,
+                                        b.data.ptr, dtype, ldb, b[0].size, a.data.ptr, dtype, lda, a[0].size,
+                                        be, c.data.ptr, dtype, N, c[0].size, Z, compute, CUBLAS_GEMM_DEFAULT)
+
+
+def gemm(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
+    """c (+)= alpha * op(a) @ op(b): cuBLAS when dev.matmul == 'cublas', else the tiled kernel."""
+    if dev.matmul == "cublas":
+        gemm_cublas(dev, c, a, b, trans_a, trans_b, accumulate, alpha)
+    else:
+        gemm_tiled(dev, c, a, b, trans_a, trans_b, accumulate, alpha)

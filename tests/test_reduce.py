@@ -1,0 +1,98 @@
+"""Column sums: the two-stage kernel against the NumPy reference; deterministic; sizes off the chunk grid."""
+import time
+
+import numpy as np
+import pytest
+
+from helpers import poisoned, rel_err
+from llmz.kernels.reduce import colsum_geometry, column_sum, column_sum_ref
+
+
+def test_column_sum_reference_matches_plain_sums(rng):
+    x = rng.normal(size=(3, 7, 5)).astype(np.float32)
+    start = rng.normal(size=5).astype(np.float32)
+    out = start.copy()
+    column_sum_ref(out, x)
+    assert out.dtype == np.float32
+    want = start.astype(np.float64) + np.array([sum(float(v) for v in x[..., c].ravel()) for c in range(5)])
+    # one float32 rounding of a float64 sum
+    assert rel_err(out, want) < 1e-7
+    column_sum_ref(out, x, accumulate=False)
+    assert rel_err(out, want - start) < 1e-7
+
+
+# (37,45): N not a multiple of the chunk (8 rows in the simulator) nor of the lanes (4), C of the 32-column
+# strip; (3,5): fewer rows than one chunk, fewer columns than one strip; rows_per_block=5: chunk not a
+# multiple of the lanes; (0,7): no rows at all
+@pytest.mark.parametrize("shape, rows_per_block", [((37, 45), None), ((3, 5), None), ((37, 45), 5),
+                                                   ((0, 7), None)])
+def test_column_sum_kernel_matches_reference_and_accumulates(kdev, rng, shape, rows_per_block):
+    C = shape[1]
+    x = rng.normal(size=shape).astype(np.float32)
+    start = rng.normal(size=C)                       # accumulates: start from random non-zero values
+    out = kdev.asarray(start, np.float32)
+    column_sum(kdev, out, kdev.asarray(x), rows_per_block=rows_per_block)
+    want = start.copy()
+    column_sum_ref(want, x.astype(np.float64))
+    # float64 sums of float32 inputs, one float32 rounding of start + sum: an ulp or so
+    assert rel_err(kdev.to_host(out), want) < 1e-6
+
+
+def test_column_sum_kernel_overwrites_poisoned_output(kdev, rng):
+    x = rng.normal(size=(37, 45)).astype(np.float32)
+    out = poisoned(kdev, (45,))
+    column_sum(kdev, out, kdev.asarray(x), accumulate=False)
+    want = np.zeros(45)
+    column_sum_ref(want, x.astype(np.float64))
+    assert rel_err(kdev.to_host(out), want) < 1e-6
+
+
+def test_column_sum_kernel_float64_input_and_3d_rows(kdev, rng):
+    x = rng.normal(size=(3, 11, 40))
+    start = rng.normal(size=40)
+    out = kdev.asarray(start)
+    column_sum(kdev, out, kdev.asarray(x))
+    want = start.copy()
+    column_sum_ref(want, x)
+    # float64 throughout, only the summation order differs
+    assert rel_err(kdev.to_host(out), want) < 1e-14
+
+
+def test_column_sum_kernel_gives_the_same_bits_twice(kdev, rng):
+    x = kdev.asarray(rng.normal(size=(37, 45)).astype(np.float32) * 1e3)
+    start = rng.normal(size=45).astype(np.float32)
+    got = []
+    for _ in range(2):
+        out = kdev.asarray(start)
+        column_sum(kdev, out, x)
+        got.append(kdev.to_host(out))
+    np.testing.assert_array_equal(got[0], got[1])
+
+
+def test_colsum_geometry_covers_every_row_and_column(kdev):
+    grid, block, R, rows = colsum_geometry(kdev, 37, 45)
+    assert grid[0] * block[0] >= 45 and grid[1] == R and R * rows >= 37 > (R - 1) * rows
+
+
+@pytest.mark.gpu
+def test_column_sum_kernel_matches_float64_reference_at_gpt2_size(kdev, rng):
+    N, C = 16384, 768
+    x = rng.normal(size=(N, C)).astype(np.float32)
+    start = rng.normal(size=C).astype(np.float32)
+    want = start.astype(np.float64)
+    column_sum_ref(want, x.astype(np.float64))
+    xd = kdev.asarray(x)
+    out = kdev.asarray(start)
+    column_sum(kdev, out, xd)
+    err = rel_err(kdev.to_host(out), want)
+    # timing: the same launches again, after compilation
+    reps = 20
+    kdev.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        column_sum(kdev, out, xd, accumulate=False)
+    kdev.synchronize()
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    print(f"column_sum N={N} C={C}: worst relative error {err:.2e}, {ms:.3f} ms per call (2 launches)")
+    # float64 sums of 16384 float32 values, one float32 rounding at the end
+    assert err < 1e-6
