@@ -119,8 +119,10 @@ class _Cublas:
             from cupy.cuda import cublas
         self.lib = cublas
         self.handle = device.get_cublas_handle()
-        self.workspace = dev.zeros(WORKSPACE_BYTES, np.uint8)
-        cublas.setWorkspace(self.handle, self.workspace.data.ptr, WORKSPACE_BYTES)
+        self.workspace = None
+        if hasattr(cublas, "setWorkspace"):     # else cuBLAS keeps the workspace it made with the handle
+            self.workspace = dev.zeros(WORKSPACE_BYTES, np.uint8)
+            cublas.setWorkspace(self.handle, self.workspace.data.ptr, WORKSPACE_BYTES)
         self.scalars = {}                # (value, numpy dtype) -> a 1-element host array kept alive
 
     def scalar(self, value: float, dtype) -> int:
