@@ -144,6 +144,8 @@ class Device:
             # every CuPy operation (allocation, memset, copy, cuBLAS) now runs on the compute stream, in
             # order with the Numba kernels: no race with work on the legacy default stream
             self.compute_stream.cupy.use()
+            from numba import cuda
+            self._as_numba = cuda.as_cuda_array
         else:
             self.xp = np
             self.compute_stream = _NoStream("compute")
@@ -213,10 +215,15 @@ class Device:
     def launch(self, kernel, grid, block, *args, stream=None, shared: int = 0, flops: int = 0) -> None:
         """kernel[grid, block, stream, shared](*args) on the compute stream (or `stream`)."""
         s = (stream or self.compute_stream).numba
+        if self.kind == "gpu":
+            # CuPy arrays as Numba device arrays (through __cuda_array_interface__): handed over directly,
+            # Numba would take them through DLPack, which records an event on the legacy stream at every
+            # launch (slow, and refused while a CUDA graph is being captured)
+            args = tuple(self._as_numba(a, sync=False) if isinstance(a, self.xp.ndarray) else a for a in args)
         if self.profile is None:
             kernel[grid, block, s, shared](*args)
             return
-        nbytes = sum(a.nbytes for a in args if hasattr(a, "nbytes"))
+        nbytes = sum(a.nbytes for a in args if hasattr(a, "nbytes") and hasattr(a, "shape"))
         with self.region(kernel.py_func.__name__, flops=flops, nbytes=nbytes, stream=stream):
             kernel[grid, block, s, shared](*args)
 
