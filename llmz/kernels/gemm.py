@@ -7,7 +7,7 @@ compute it, with the same arguments (`dev.matmul` picks one):
 
   numba   gemm_tiled_kernel: TILE x TILE tiles of a and b staged through shared memory, one thread per
           element of c. The teaching version; it runs in the simulator, reaches ~5 TFLOP/s on an H200.
-  cublas  cuBLAS's gemmEx / gemmStridedBatchedEx through CuPy: fp32 inputs on TF32 tensor cores (fp32
+  cublas  cuBLAS's gemmEx / gemmStridedBatchedEx (called through ctypes): fp32 inputs on TF32 tensor cores (fp32
           accumulation), ~400 TFLOP/s. accumulate=True is beta=1: cuBLAS adds into c, no extra buffer.
 
 cuBLAS is column-major and our arrays are row-major. A row-major (r, s) matrix read column-major is its
@@ -89,7 +89,7 @@ def gemm_tiled(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alp
                c, a, b, trans_a, trans_b, accumulate, alpha, flops=2 * Z * M * N * (a.size // (Z * M)))
 
 
-# ---- cuBLAS through CuPy --------------------------------------------------------------------------
+# ---- cuBLAS --------------------------------------------------------------------------
 # cudaDataType and cublasComputeType_t values (cuda/library_types.h, cublas_api.h)
 CUDA_R_32F, CUDA_R_64F, CUDA_R_16BF = 0, 1, 14
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_64F = 68, 77, 70
@@ -108,22 +108,48 @@ def _types(dev, dtype):
 
 
 class _Cublas:
-    """The handle of the current device, its workspace, and alpha/beta in host memory that stays put
-    (cuBLAS reads them when the call is enqueued, also while a graph is being captured)."""
+    """Our own cuBLAS handle, called through ctypes: CuPy's wrappers refuse every cuBLAS call while a stream
+    is being captured into a CUDA graph, cuBLAS itself does not. The handle gets its own workspace (so
+    nothing is allocated during a capture); alpha and beta live in host memory that stays put (cuBLAS
+    reads them when the call is enqueued, also while a graph is captured)."""
+
+    NAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 
     def __init__(self, dev):
-        from cupy.cuda import device
-        try:
-            from cupy_backends.cuda.libs import cublas
-        except ImportError:              # older CuPy
-            from cupy.cuda import cublas
-        self.lib = cublas
-        self.handle = device.get_cublas_handle()
-        self.workspace = None
-        if hasattr(cublas, "setWorkspace"):     # else cuBLAS keeps the workspace it made with the handle
-            self.workspace = dev.zeros(WORKSPACE_BYTES, np.uint8)
-            cublas.setWorkspace(self.handle, self.workspace.data.ptr, WORKSPACE_BYTES)
+        import ctypes
+
+        # CuPy's cuBLAS module links the libcublas CuPy was built against: once it is loaded, dlopen finds
+        # that same library by its name
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+        for name in self.NAMES:
+            try:
+                self.lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError(f"cuBLAS: none of {', '.join(self.NAMES)} could be loaded")
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib = self.lib
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(P)]
+        lib.cublasSetStream_v2.argtypes = [P, P]
+        lib.cublasSetWorkspace_v2.argtypes = [P, P, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
+        lib.cublasGemmStridedBatchedEx.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L,
+                                                   I, I, I]
+        handle = P()
+        self.check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle
+        self.workspace = dev.zeros(WORKSPACE_BYTES, np.uint8)
+        self.check(lib.cublasSetWorkspace_v2(handle, self.workspace.data.ptr, WORKSPACE_BYTES),
+                   "cublasSetWorkspace")
+        self.check(lib.cublasSetStream_v2(handle, dev.compute_stream.cupy.ptr), "cublasSetStream")
         self.scalars = {}                # (value, numpy dtype) -> a 1-element host array kept alive
+
+    @staticmethod
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
 
     def scalar(self, value: float, dtype) -> int:
         key = (float(value), np.dtype(dtype).str)
@@ -140,7 +166,7 @@ def _cublas(dev) -> _Cublas:
 
 
 def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
-    """c (+)= alpha * op(a) @ op(b) with cuBLAS, on the compute stream (CuPy's current stream)."""
+    """c (+)= alpha * op(a) @ op(b) with cuBLAS, on the compute stream."""
     cb = _cublas(dev)
     batched = c.ndim == 3
     Z = c.shape[0] if batched else 1
@@ -154,15 +180,16 @@ def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, al
     opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
     lda, ldb = a.shape[-1], b.shape[-1]
     with dev.region("gemm_cublas", flops=2 * Z * M * N * K, nbytes=a.nbytes + b.nbytes + c.nbytes):
-        cb.lib.setStream(cb.handle, dev.compute_stream.cupy.ptr)
         if not batched:
             # c.T (N,M) = op(b).T (N,K) @ op(a).T (K,M), column-major
-            cb.lib.gemmEx(cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb, a.data.ptr, dtype, lda,
-                          be, c.data.ptr, dtype, N, compute, CUBLAS_GEMM_DEFAULT)
+            cb.check(cb.lib.cublasGemmEx(cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb,
+                                         a.data.ptr, dtype, lda, be, c.data.ptr, dtype, N, compute,
+                                         CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
         else:
-            cb.lib.gemmStridedBatchedEx(cb.handle, opb, opa, N, M, K, al,
-                                        b.data.ptr, dtype, ldb, b[0].size, a.data.ptr, dtype, lda, a[0].size,
-                                        be, c.data.ptr, dtype, N, c[0].size, Z, compute, CUBLAS_GEMM_DEFAULT)
+            cb.check(cb.lib.cublasGemmStridedBatchedEx(
+                cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb, b[0].size, a.data.ptr, dtype, lda,
+                a[0].size, be, c.data.ptr, dtype, N, c[0].size, Z, compute, CUBLAS_GEMM_DEFAULT),
+                "cublasGemmStridedBatchedEx")
 
 
 def gemm(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
