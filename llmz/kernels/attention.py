@@ -205,35 +205,34 @@ def attention_dinp_kernel(dinp, dpreatt, att, dout, inp, scale):
 # ---- the gemm path's kernels: head-major copies and a softmax per row --------------------------------
 @cuda.jit
 def heads_split_kernel(y, x):
-    # x (B,T,S*C), y (S,B,NH,T,hs): y[s,b,h,t,i] = x[b,t, s*C + h*hs + i]. Overwrites y. One thread per element
-    # of y (S=3: q, k, v out of the qkv activation; S=1: dout).
-    _, B, NH, T, hs = y.shape
-    idx = cuda.grid(1)
-    if idx < y.size:
-        i = idx % hs
-        t = idx // hs % T
-        h = idx // (hs * T) % NH
-        b = idx // (hs * T * NH) % B
-        s = idx // (hs * T * NH * B)
-        y[s, b, h, t, i] = x[b, t, (s * NH + h) * hs + i]
+    # x (B*T, S*C), y (S,B,NH,T,hs): y[s,b,h,t,i] = x[b*T+t, s*C + h*hs + i]. Overwrites y. S=3: q, k, v out of
+    # the qkv activation; S=1: dout. Block (row, j) and its threads: columns j*blockDim + tid of one row of x
+    # (reads in order; writes in runs of hs).
+    NH, T, hs = y.shape[2:]
+    row = cuda.blockIdx.x
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if c < x.shape[1]:
+        b = row // T
+        t = row - b * T
+        head = c // hs                      # s * NH + h
+        y[head // NH, b, head % NH, t, c - head * hs] = x[row, c]
 
 
 @cuda.jit
 def heads_merge_kernel(x, y, accumulate):
-    # the inverse: x[b,t, s*C + h*hs + i] (+)= y[s,b,h,t,i]. One thread per element of y, reading y in order.
-    _, B, NH, T, hs = y.shape
-    idx = cuda.grid(1)
-    if idx < y.size:
-        i = idx % hs
-        t = idx // hs % T
-        h = idx // (hs * T) % NH
-        b = idx // (hs * T * NH) % B
-        s = idx // (hs * T * NH * B)
-        c = (s * NH + h) * hs + i
+    # the inverse: x[b*T+t, s*C + h*hs + i] (+)= y[s,b,h,t,i]. Same grid: one row of x per block row.
+    NH, T, hs = y.shape[2:]
+    row = cuda.blockIdx.x
+    c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if c < x.shape[1]:
+        b = row // T
+        t = row - b * T
+        head = c // hs
+        v = y[head // NH, b, head % NH, t, c - head * hs]
         if accumulate:
-            x[b, t, c] += y[s, b, h, t, i]
+            x[row, c] += v
         else:
-            x[b, t, c] = y[s, b, h, t, i]
+            x[row, c] = v
 
 
 @cuda.jit
@@ -254,19 +253,19 @@ def softmax_rows_kernel(att, preatt):
     buf[tid] = m
     cuda.syncthreads()
     block_max(buf, tid, nt)
-    maxval = buf[0]
+    maxval = numba.float32(buf[0])
     cuda.syncthreads()                  # everyone has read the max before buf is reused
-    # the sum of exp(x - max)
+    # the sum of exp(x - max): float32 exponentials (the fast expf), summed in float64
     s = 0.0
     for t2 in range(tid, t + 1, nt):
-        s += math.exp(preatt[r, t, t2] - maxval)
+        s += math.exp(numba.float32(preatt[r, t, t2] - maxval))
     buf[tid] = s
     cuda.syncthreads()
     block_sum(buf, tid, nt)
-    inv = 1.0 / buf[0]
+    inv = numba.float32(1.0 / buf[0])
     # normalise; 0 above the diagonal
     for t2 in range(tid, T, nt):
-        att[r, t, t2] = math.exp(preatt[r, t, t2] - maxval) * inv if t2 <= t else 0.0
+        att[r, t, t2] = math.exp(numba.float32(preatt[r, t, t2] - maxval)) * inv if t2 <= t else 0.0
 
 
 @cuda.jit
@@ -286,14 +285,16 @@ def softmax_rows_backward_kernel(dpreatt, datt, att):
     buf[tid] = s
     cuda.syncthreads()
     block_sum(buf, tid, nt)
-    total = buf[0]
+    total = numba.float32(buf[0])           # the rest in float32 arithmetic
     for t2 in range(tid, T, nt):
         dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else 0.0
 
 
-def _heads(dev, kernel, *args) -> None:
-    y = args[1] if kernel is heads_merge_kernel else args[0]
-    dev.launch(kernel, ceil_div(y.size, dev.block_size), dev.block_size, *args)
+def _heads(dev, kernel, x, y, *args) -> None:
+    """kernel over x (B,T,S*C) viewed as rows, and y (S,B,NH,T,hs)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    grid = (x2.shape[0], ceil_div(x2.shape[1], dev.block_size))
+    dev.launch(kernel, grid, dev.block_size, *((x2, y) if kernel is heads_merge_kernel else (y, x2)), *args)
 
 
 def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
@@ -305,7 +306,7 @@ def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
     q, k, v = (x.reshape(R, T, hs) for x in qkvr)
     pre3, att3 = preatt.reshape(R, T, T), att.reshape(R, T, T)
     # q, k, v head-major
-    _heads(dev, heads_split_kernel, qkvr, inp)
+    _heads(dev, heads_split_kernel, inp, qkvr)
     # preatt = q @ k.T / sqrt(hs), B*NH products of (T,hs) x (hs,T)
     gemm(dev, pre3, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
     # att = causal softmax of each row
@@ -328,7 +329,7 @@ def attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr
     dq, dk, dv = (x.reshape(R, T, hs) for x in dqkvr)
     dy3 = dy.reshape(R, T, hs)
     # dout head-major
-    _heads(dev, heads_split_kernel, dy, dout)
+    _heads(dev, heads_split_kernel, dout, dy)
     # through y = att @ v: datt = dy @ v.T, dv = att.T @ dy
     gemm(dev, datt3, dy3, v, False, True, False)
     gemm(dev, dv, att3, dy3, True, False, False)

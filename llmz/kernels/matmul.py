@@ -46,11 +46,11 @@ def matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight):
 # ---- Numba kernels (the products themselves are llmz.kernels.gemm) --------------------------------
 @cuda.jit
 def matmul_bias_kernel(out, bias):
-    # out (N,OC) += bias (OC,), broadcast over rows. One thread per element of out.
-    idx = cuda.grid(1)
-    N, OC = out.shape
-    if idx < N * OC:
-        out[idx // OC, idx % OC] += bias[idx % OC]
+    # out (N,OC) += bias (OC,), broadcast over rows. Block (row, j): columns j*blockDim + tid of one row.
+    row = cuda.blockIdx.x
+    oc = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if oc < out.shape[1]:
+        out[row, oc] += bias[oc]
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
@@ -64,7 +64,7 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
     gemm(dev, out2, inp.reshape(-1, C), weight, False, True, False)
     # out += bias
     if bias is not None:
-        dev.launch(matmul_bias_kernel, ceil_div(out2.size, dev.block_size), dev.block_size, out2, bias)
+        dev.launch(matmul_bias_kernel, (out2.shape[0], ceil_div(OC, dev.block_size)), dev.block_size, out2, bias)
 
 
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight) -> None:
