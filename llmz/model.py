@@ -69,8 +69,8 @@ class Activations:
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
         self.probs = z((B, T, Vp))
         self.losses = z((B, T))
-        # attention's gemm path keeps q, k, v head-major for backward (llm.c's qkvr)
-        if dev.kernels and dev.attention == "gemm":
+        # attention's gemm path on the tiled product keeps q, k, v head-major for backward (llm.c's qkvr)
+        if dev.kernels and dev.attention == "gemm" and dev.matmul != "cublas":
             self.qkvr = z((L, 3, B, NH, T, C // NH))
         # backward scratch, reused by every block
         self.dresidual = z((B, T, C))           # gradient flowing down the residual stream

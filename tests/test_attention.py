@@ -142,7 +142,8 @@ def test_attention_gemm_path_forward_and_backward_match_reference(fdev, rng):
     dinp0 = rng.normal(size=inp.shape)
     dinp = fdev.asarray(dinp0, np.float32)
     dpreatt, datt = poisoned(fdev, want[2].shape), poisoned(fdev, want[2].shape)
-    attention_backward(fdev, dinp, dpreatt, datt, fdev.asarray(dout, np.float32), None, att, NH, qkvr)
+    attention_backward(fdev, dinp, dpreatt, datt, fdev.asarray(dout, np.float32), fdev.asarray(inp, np.float32),
+                       att, NH, qkvr)
     rdinp = dinp0.copy()
     attention_backward_ref(rdinp, np.empty(want[2].shape), np.empty(want[2].shape), dout, inp,
                            fdev.to_host(att).astype(np.float64), NH)
@@ -163,7 +164,7 @@ def test_attention_gemm_path_matches_float64_reference_at_gpt2_size(fdev, fdev_e
     att32 = dev.to_host(att)
     dinp = dev.zeros(inp.shape)
     dpreatt, datt = poisoned(dev, att32.shape), poisoned(dev, att32.shape)
-    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout), None, att, NH, qkvr)
+    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout), dev.asarray(inp), att, NH, qkvr)
     rdinp = np.zeros(inp.shape)
     attention_backward_ref(rdinp, np.empty(att32.shape), np.empty(att32.shape), dout.astype(np.float64),
                            inp.astype(np.float64), att32.astype(np.float64), NH)

@@ -18,6 +18,8 @@ Two ways to compute it on a GPU (dev.attention):
           tiled kernel in the simulator), and the softmax and its backward are one block per row of att.
           The products compute the whole T x T square; the softmax writes 0 above the diagonal, so the
           wasted upper half never reaches the output. preatt is only defined on and below the diagonal.
+          On cuBLAS the products read each head straight out of the (B,T,3C) layout (per-head addresses,
+          gemmBatchedEx) and the softmax is one warp per row (shuffles): no head-major copies at all.
 """
 import math
 
@@ -26,7 +28,7 @@ import numpy as np
 from numba import cuda
 
 from ..device import ceil_div
-from .gemm import gemm
+from .gemm import Heads, gemm, gemm_heads
 from .norm import MAX_BLOCK, block_max, block_sum
 
 
@@ -290,6 +292,100 @@ def softmax_rows_backward_kernel(dpreatt, datt, att):
         dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else 0.0
 
 
+# The same two row operations on a GPU, one warp (32 lanes) per row and 8 rows per block: lane j takes
+# t2 = j, j+32, ..., and the lanes combine through warp shuffles (no shared memory, no __syncthreads). The
+# combination runs in a fixed order (lane 0 gathers by shfl_down, then broadcasts), so the bits are the
+# same every run. The simulator has no shuffles: it runs the block kernels above.
+FULL_MASK = 0xFFFFFFFF
+ROWS_PER_BLOCK = 8
+
+
+@cuda.jit(device=True)
+def _combine(m, s, mo, so):
+    # two partial softmax sums (max m, sum of exp(x - m)) -> one, against the larger max; an empty part
+    # has m = -inf and s = 0 and contributes nothing
+    mn = max(m, mo)
+    if mn == -math.inf:
+        return mn, numba.float32(0.0)
+    a = s * math.exp(m - mn) if m != -math.inf else numba.float32(0.0)
+    b = so * math.exp(mo - mn) if mo != -math.inf else numba.float32(0.0)
+    return mn, a + b
+
+
+@cuda.jit
+def softmax_rows_warp_kernel(att, preatt):
+    # att, preatt (R,T,T): as softmax_rows_kernel, one warp per row (r,t). Overwrites att.
+    T = att.shape[1]
+    lane = cuda.threadIdx.x % 32
+    row = cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // 32
+    if row >= att.shape[0] * T:
+        return                              # the whole warp leaves together
+    r = row // T
+    t = row - r * T
+    # one pass: this lane's running max and sum of exp(x - max) (online softmax), float32
+    m = numba.float32(-math.inf)
+    s = numba.float32(0.0)
+    for t2 in range(lane, t + 1, 32):
+        x = preatt[r, t, t2]
+        if x > m:
+            s = s * math.exp(m - x) + numba.float32(1.0) if m != -math.inf else numba.float32(1.0)
+            m = x
+        else:
+            s += math.exp(x - m)
+    # lanes combine, halving each time; lane 0 ends with the row's (max, sum) and hands it to all
+    off = 16
+    while off > 0:
+        mo = cuda.shfl_down_sync(FULL_MASK, m, off)
+        so = cuda.shfl_down_sync(FULL_MASK, s, off)
+        m, s = _combine(m, s, mo, so)
+        off //= 2
+    m = cuda.shfl_sync(FULL_MASK, m, 0)
+    inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
+    # normalise; 0 above the diagonal
+    for t2 in range(lane, T, 32):
+        att[r, t, t2] = math.exp(preatt[r, t, t2] - m) * inv if t2 <= t else numba.float32(0.0)
+
+
+@cuda.jit
+def softmax_rows_backward_warp_kernel(dpreatt, datt, att):
+    # as softmax_rows_backward_kernel, one warp per row. Overwrites dpreatt.
+    T = att.shape[1]
+    lane = cuda.threadIdx.x % 32
+    row = cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // 32
+    if row >= att.shape[0] * T:
+        return
+    r = row // T
+    t = row - r * T
+    s = numba.float32(0.0)
+    for t2 in range(lane, t + 1, 32):
+        s += att[r, t, t2] * datt[r, t, t2]
+    off = 16
+    while off > 0:
+        s += cuda.shfl_down_sync(FULL_MASK, s, off)
+        off //= 2
+    total = cuda.shfl_sync(FULL_MASK, s, 0)
+    for t2 in range(lane, T, 32):
+        dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else numba.float32(0.0)
+
+
+def softmax_rows(dev, att3, pre3) -> None:
+    """att3 = causal softmax of each row of pre3, both (R,T,T)."""
+    R, T, _ = att3.shape
+    if dev.kind == "gpu":
+        dev.launch(softmax_rows_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, att3, pre3)
+    else:
+        dev.launch(softmax_rows_kernel, R * T, min(dev.block_size, MAX_BLOCK), att3, pre3)
+
+
+def softmax_rows_backward(dev, dpre3, datt3, att3) -> None:
+    R, T, _ = att3.shape
+    if dev.kind == "gpu":
+        dev.launch(softmax_rows_backward_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
+                   dpre3, datt3, att3)
+    else:
+        dev.launch(softmax_rows_backward_kernel, R * T, min(dev.block_size, MAX_BLOCK), dpre3, datt3, att3)
+
+
 def _heads(dev, kernel, x, y, *args) -> None:
     """kernel over x (B,T,S*C) viewed as rows, and y (S,B,NH,T,hs)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -297,9 +393,62 @@ def _heads(dev, kernel, x, y, *args) -> None:
     dev.launch(kernel, grid, dev.block_size, *((x2, y) if kernel is heads_merge_kernel else (y, x2)), *args)
 
 
+def _qkv_heads(inp, NH):
+    """q, k, v of every (b, h) as matrices (T, hs) inside inp (B,T,3C) (no copies: cuBLAS reads them there)."""
+    B, T, C3 = inp.shape
+    hs = C3 // 3 // NH
+    return [Heads(inp, i * C3 // 3, T * C3, hs, C3, T, hs, B, NH) for i in range(3)]
+
+
+def _square_heads(x, NH):
+    """(B,NH,T,T) as B*NH matrices (T,T)."""
+    B, _, T, _ = x.shape
+    return Heads(x, 0, NH * T * T, T * T, T, T, T, B, NH)
+
+
+def attention_forward_heads(dev, out, preatt, att, inp, num_heads) -> None:
+    """The gemm path on cuBLAS: every product reads its head straight out of inp and writes into out
+    (gemmBatchedEx over per-head addresses, llmz.kernels.gemm.Heads). Overwrites out, att, and preatt on
+    and below the diagonal."""
+    B, T, C3 = inp.shape
+    C = C3 // 3
+    NH, hs = num_heads, C // num_heads
+    q, k, v = _qkv_heads(inp, NH)
+    pre, at = _square_heads(preatt, NH), _square_heads(att, NH)
+    y = Heads(out, 0, T * C, hs, C, T, hs, B, NH)
+    # preatt = q @ k.T / sqrt(hs)
+    gemm_heads(dev, pre, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
+    # att = causal softmax of each row
+    softmax_rows(dev, att.reshape(B * NH, T, T), preatt.reshape(B * NH, T, T))
+    # out (head h's columns) = att @ v
+    gemm_heads(dev, y, at, v, False, False, False)
+
+
+def attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads) -> None:
+    """Backward of attention_forward_heads. Accumulates (+=) into dinp (cuBLAS beta=1); overwrites dpreatt,
+    datt."""
+    B, T, C = dout.shape
+    NH, hs = num_heads, C // num_heads
+    q, k, v = _qkv_heads(inp, NH)
+    dq, dk, dv = _qkv_heads(dinp, NH)
+    at, dat, dpre = _square_heads(att, NH), _square_heads(datt, NH), _square_heads(dpreatt, NH)
+    dy = Heads(dout, 0, T * C, hs, C, T, hs, B, NH)
+    # through y = att @ v: datt = dy @ v.T, dv += att.T @ dy
+    gemm_heads(dev, dat, dy, v, False, True, False)
+    gemm_heads(dev, dv, at, dy, True, False, True)
+    # softmax backward, row by row
+    R = B * NH
+    softmax_rows_backward(dev, dpreatt.reshape(R, T, T), datt.reshape(R, T, T), att.reshape(R, T, T))
+    # through preatt = q @ k.T * scale: dq += dpreatt @ k * scale, dk += dpreatt.T @ q * scale
+    scale = 1.0 / math.sqrt(hs)
+    gemm_heads(dev, dq, dpre, k, False, False, True, alpha=scale)
+    gemm_heads(dev, dk, dpre, q, True, False, True, alpha=scale)
+
+
 def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
-    """The gemm path of attention_forward; qkvr (3,B,NH,T,hs) receives q, k, v head-major (kept for
-    backward). Overwrites out, att, qkvr and preatt on and below the diagonal."""
+    """The gemm path of attention_forward with head-major copies (the tiled product needs contiguous
+    batches): qkvr (3,B,NH,T,hs) receives q, k, v (kept for backward). Overwrites out, att, qkvr and preatt
+    on and below the diagonal."""
     B, T, C3 = inp.shape
     C = C3 // 3
     R, hs = B * num_heads, C // num_heads
@@ -310,7 +459,7 @@ def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
     # preatt = q @ k.T / sqrt(hs), B*NH products of (T,hs) x (hs,T)
     gemm(dev, pre3, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
     # att = causal softmax of each row
-    dev.launch(softmax_rows_kernel, R * T, min(dev.block_size, MAX_BLOCK), att3, pre3)
+    softmax_rows(dev, att3, pre3)
     # y = att @ v, head-major, then the heads back side by side into out
     y = dev.scratch("attention_y", (1, B, num_heads, T, hs))
     gemm(dev, y.reshape(R, T, hs), att3, v, False, False, False)
@@ -334,7 +483,7 @@ def attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr
     gemm(dev, datt3, dy3, v, False, True, False)
     gemm(dev, dv, att3, dy3, True, False, False)
     # softmax backward, row by row
-    dev.launch(softmax_rows_backward_kernel, R * T, min(dev.block_size, MAX_BLOCK), dpre3, datt3, att3)
+    softmax_rows_backward(dev, dpre3, datt3, att3)
     # through preatt = q @ k.T * scale: dq = dpreatt @ k * scale, dk = dpreatt.T @ q * scale
     scale = 1.0 / math.sqrt(hs)
     gemm(dev, dq, dpre3, k, False, False, False, alpha=scale)
@@ -349,6 +498,8 @@ def attention_forward(dev, out, preatt, att, inp, num_heads, qkvr=None) -> None:
     With dev.attention == 'gemm' pass qkvr (3,B,NH,T,hs), which backward needs too."""
     if not dev.kernels:
         return attention_forward_ref(out, preatt, att, inp, num_heads)
+    if dev.attention == "gemm" and dev.matmul == "cublas":
+        return attention_forward_heads(dev, out, preatt, att, inp, num_heads)
     if dev.attention == "gemm":
         return attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr)
     B, T, C3 = inp.shape
@@ -369,6 +520,8 @@ def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, qkvr
     The gemm path reads forward's qkvr instead of inp."""
     if not dev.kernels:
         return attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads)
+    if dev.attention == "gemm" and dev.matmul == "cublas":
+        return attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads)
     if dev.attention == "gemm":
         return attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr)
     B, T, C3 = inp.shape

@@ -137,6 +137,7 @@ class _Cublas:
         lib.cublasGemmEx.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
         lib.cublasGemmStridedBatchedEx.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L,
                                                    I, I, I]
+        lib.cublasGemmBatchedEx.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I, I]
         handle = P()
         self.check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
         self.handle = handle
@@ -145,6 +146,7 @@ class _Cublas:
                    "cublasSetWorkspace")
         self.check(lib.cublasSetStream_v2(handle, dev.compute_stream.cupy.ptr), "cublasSetStream")
         self.scalars = {}                # (value, numpy dtype) -> a 1-element host array kept alive
+        self.pointers = {}               # Heads.key -> the device array of its matrices' addresses
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -190,6 +192,48 @@ def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, al
                 cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb, b[0].size, a.data.ptr, dtype, lda,
                 a[0].size, be, c.data.ptr, dtype, N, c[0].size, Z, compute, CUBLAS_GEMM_DEFAULT),
                 "cublasGemmStridedBatchedEx")
+
+
+class Heads:
+    """B*NH matrices of rows x cols inside one array, matrix z = b*NH + h starting at element
+    offset + b*stride_b + h*stride_h, consecutive rows `ld` elements apart. Attention reads q, k, v of head h
+    straight out of the (B,T,3C) qkv activation this way (offset 0, C or 2C; stride_b T*3C; stride_h hs;
+    ld 3C) and writes its output into (B,T,C): no head-major copies."""
+
+    def __init__(self, array, offset: int, stride_b: int, stride_h: int, ld: int, rows: int, cols: int,
+                 B: int, NH: int):
+        self.array, self.offset, self.stride_b, self.stride_h = array, offset, stride_b, stride_h
+        self.ld, self.rows, self.cols, self.B, self.NH = ld, rows, cols, B, NH
+        self.key = (array.data.ptr, offset, stride_b, stride_h, B, NH, array.dtype.itemsize)
+
+    def pointers(self, dev, cb: "_Cublas") -> int:
+        """The device array of the B*NH matrices' addresses (made on the first call: the warm-up step)."""
+        ptrs = cb.pointers.get(self.key)
+        if ptrs is None:
+            b, h = np.meshgrid(np.arange(self.B), np.arange(self.NH), indexing="ij")
+            elems = self.offset + b * self.stride_b + h * self.stride_h
+            host = (self.array.data.ptr + elems.reshape(-1) * self.array.dtype.itemsize).astype(np.uint64)
+            ptrs = cb.pointers[self.key] = dev.asarray(host)
+        return ptrs.data.ptr
+
+
+def gemm_heads(dev, c: Heads, a: Heads, b: Heads, trans_a: bool, trans_b: bool, accumulate: bool,
+               alpha: float = 1.0) -> None:
+    """For every head z: c[z] (+)= alpha * op(a[z]) @ op(b[z]), cuBLAS's gemmBatchedEx over address arrays."""
+    cb = _cublas(dev)
+    Z, M, N = a.B * a.NH, c.rows, c.cols
+    K = a.rows if trans_a else a.cols
+    dtype, compute = _types(dev, c.array.dtype)
+    sdt = np.float64 if compute == CUBLAS_COMPUTE_64F else np.float32
+    al, be = cb.scalar(alpha, sdt), cb.scalar(1.0 if accumulate else 0.0, sdt)
+    opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
+    opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
+    isz = c.array.dtype.itemsize
+    with dev.region("gemm_cublas_heads", flops=2 * Z * M * N * K, nbytes=Z * isz * (M * K + K * N + M * N)):
+        # c[z].T = op(b[z]).T @ op(a[z]).T, column-major, as in gemm_cublas
+        cb.check(cb.lib.cublasGemmBatchedEx(
+            cb.handle, opb, opa, N, M, K, al, b.pointers(dev, cb), dtype, b.ld, a.pointers(dev, cb), dtype, a.ld,
+            be, c.pointers(dev, cb), dtype, c.ld, Z, compute, CUBLAS_GEMM_DEFAULT), "cublasGemmBatchedEx")
 
 
 def gemm(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
