@@ -172,3 +172,28 @@ def test_attention_gemm_path_matches_float64_reference_at_gpt2_size(fdev, fdev_e
     print(f"attention gemm path ({which}) B={B} T={T} C={C} NH={NH}: relative error vs float64 {err}")
     # fp32: as the direct kernels; TF32: 10-bit mantissas in the products, ~1e-3
     assert max(err.values()) < (1e-5 if which == "fp32" else 5e-3)
+
+
+@pytest.mark.gpu
+def test_softmax_rows_warp_kernels_match_reference_and_repeat_bit_for_bit(fdev, rng):
+    # T=37: rows shorter than a warp, rows spanning two passes of the lanes; R*T=111 rows, not a multiple of 8
+    from llmz.kernels.attention import softmax_rows, softmax_rows_backward
+    R, T = 3, 37
+    pre = rng.normal(size=(R, T, T)) * 3
+    datt = rng.normal(size=(R, T, T))
+    lower = np.tril(np.ones((T, T), dtype=bool))
+    masked = np.where(lower, pre, -np.inf)
+    want = np.exp(masked - masked.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    runs = []
+    for _ in range(2):
+        att, dpre = poisoned(fdev, (R, T, T)), poisoned(fdev, (R, T, T))
+        softmax_rows(fdev, att, fdev.asarray(pre, np.float32))
+        softmax_rows_backward(fdev, dpre, fdev.asarray(datt, np.float32), att)
+        runs.append((fdev.to_host(att), fdev.to_host(dpre)))
+    a32 = runs[0][0].astype(np.float64)
+    want_d = a32 * (datt - (a32 * datt * lower).sum(-1, keepdims=True)) * lower
+    # float32 exp and sums of at most 37 terms: a few ulps
+    assert rel_err(runs[0][0], want) < 1e-6 and rel_err(runs[0][1], want_d) < 1e-6
+    assert np.all(runs[0][0][:, ~lower] == 0) and np.all(runs[0][1][:, ~lower] == 0)
+    assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
