@@ -181,7 +181,8 @@ def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, al
     opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
     opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
     lda, ldb = a.shape[-1], b.shape[-1]
-    with dev.region("gemm_cublas", flops=2 * Z * M * N * K, nbytes=a.nbytes + b.nbytes + c.nbytes):
+    name = f"cublas {'batch ' + str(Z) + ' x ' if batched else ''}{M}x{N}x{K} {'NT'[trans_a]}{'NT'[trans_b]}"
+    with dev.region(name, flops=2 * Z * M * N * K, nbytes=a.nbytes + b.nbytes + c.nbytes):
         if not batched:
             # c.T (N,M) = op(b).T (N,K) @ op(a).T (K,M), column-major
             cb.check(cb.lib.cublasGemmEx(cb.handle, opb, opa, N, M, K, al, b.data.ptr, dtype, ldb,
@@ -229,7 +230,8 @@ def gemm_heads(dev, c: Heads, a: Heads, b: Heads, trans_a: bool, trans_b: bool, 
     opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
     opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
     isz = c.array.dtype.itemsize
-    with dev.region("gemm_cublas_heads", flops=2 * Z * M * N * K, nbytes=Z * isz * (M * K + K * N + M * N)):
+    name = f"cublas heads {Z} x {M}x{N}x{K} {'NT'[trans_a]}{'NT'[trans_b]}"
+    with dev.region(name, flops=2 * Z * M * N * K, nbytes=Z * isz * (M * K + K * N + M * N)):
         # c[z].T = op(b[z]).T @ op(a[z]).T, column-major, as in gemm_cublas
         cb.check(cb.lib.cublasGemmBatchedEx(
             cb.handle, opb, opa, N, M, K, al, b.pointers(dev, cb), dtype, b.ld, a.pointers(dev, cb), dtype, a.ld,
