@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|d12|bench|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|fast|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -18,7 +18,17 @@ if [[ $what == d12 || $what == all ]]; then
   run timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k d12 2>&1 | tee "$OUT/gpu_d12.txt" | tail -30
 fi
 if [[ $what == bench || $what == all ]]; then
-  run timeout 200 $py -m llmz.bench --device gpu --model d12 -b 4 -t 1024 --steps 3 --warmup 1 2>&1 | tee "$OUT/bench_d12.txt"
+  # issue 8's measurement: d12, B=16, T=1024, the fast path beside PyTorch eager, and kernel by kernel
+  run timeout 300 $py -m llmz.bench --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_d12.txt"
+fi
+if [[ $what == fast || $what == all ]]; then
+  # 50 steps of d12 (byte vocab, B=4, T=1024): the fast path against the teaching kernels
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet"
+  run timeout 200 $py -m llmz.train $F --matmul numba --attention direct --log "$OUT/curve_teaching.jsonl" 2>&1 | tail -1
+  run timeout 100 $py -m llmz.train $F --no-tf32 --log "$OUT/curve_fast_fp32.jsonl" 2>&1 | tail -1
+  run timeout 100 $py -m llmz.train $F --log "$OUT/curve_fast_tf32.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_fp32.jsonl" --tol 1e-4
+  $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_tf32.jsonl" --tol 1e-2
 fi
 if [[ $what == stages || $what == all ]]; then
   F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
