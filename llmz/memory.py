@@ -20,11 +20,11 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm
 
 
 def activation_elements(c: GPT2Config, B: int, T: int) -> int:
-    """Elements of llmz.model.Activations: per layer 18C + 4 + 2*NH*T per position, plus the rest."""
+    """Elements of llmz.model.Activations: per layer 18C + 4 + NH*T per position, plus the rest."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
-    per_layer = 18 * C + 4 + 2 * NH * T
+    per_layer = 18 * C + 4 + NH * T
     outside = C + (C + 2) + 2 * Vp + 1          # encoded, lnf (+mean, rstd), logits, probs, losses
-    scratch = 13 * C + 2 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, dpreatt, datt
+    scratch = 13 * C + 3 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
     return B * T * (L * per_layer + outside + scratch)
 
 

@@ -52,7 +52,6 @@ class Activations:
         self.ln1_rstd = z((L, B, T))
         self.qkv = z((L, B, T, 3 * C))
         self.atty = z((L, B, T, C))             # attention output, before the projection
-        self.preatt = z((L, B, NH, T, T))       # scaled q.k
         self.att = z((L, B, NH, T, T))          # softmax of preatt, causal
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
@@ -80,6 +79,7 @@ class Activations:
         self.dfch = z((B, T, 4 * C))
         self.dpreatt = z((B, NH, T, T))
         self.datt = z((B, NH, T, T))
+        self.preatt = z((B, NH, T, T))          # scaled q.k: forward scratch (backward needs only att)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in vars(self).values())
@@ -112,7 +112,7 @@ class GPT2:
             layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
                               w["ln1w"], w["ln1b"])
             matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
-            attention_forward(dev, a.atty[layer], a.preatt[layer], a.att[layer], a.qkv[layer], c.num_heads,
+            attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
                               self.qkvr(layer))
             matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])

@@ -13,8 +13,15 @@ Kernels (the teaching versions):
                    each block sums norm*dout and dout over a chunk of rows for a strip of 32 channels into two
                    float64 (R,C) scratch buffers; stage 2, one thread per channel adds the R partials in order.
                    It replaced one thread per channel looping over all N rows (only C threads in flight).
+Fast versions, GPU only (the simulator has no warp shuffles; it runs the teaching versions above):
+  forward, warp    one WARP per row, blockDim/32 rows per block: the same three passes (mean, variance,
+                   write), each row-sum a butterfly of warp shuffles instead of a shared-memory tree with a
+                   __syncthreads per level; the re-reads of the row hit L1. Replaces 256 threads with 3
+                   channels each at C=768 (before: 5.07 ms per d12 step for 25 calls, ~500 GB/s).
+  backward, warp   the rows part the same way, both means in one read of the row (before: 4.55 ms, ~830 GB/s).
 Sums are accumulated in float64 (registers and shared memory) whatever the input dtype; the block's
-threads are summed in a fixed order (norm.block_sum's tree, reduce.strip_partial's lanes): deterministic.
+threads are summed in a fixed order (norm.block_sum's tree, reduce.strip_partial's lanes, warp_sum's
+butterfly): deterministic.
 """
 import math
 
@@ -27,6 +34,8 @@ from .norm import MAX_BLOCK, block_sum
 from .reduce import COLSUM_STRIP, MAX_LANES, colsum_geometry, stage_rows, strip_partial, sum_partials
 
 LN_EPS = 1e-5
+WARP = 32                   # threads per warp: the fast kernels give each row one warp
+FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in the shuffle
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -164,6 +173,87 @@ def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
         dbias[c] += sum_partials(part_b, c)
 
 
+# ---- fast Numba kernels, GPU only: one warp per row --------------------------------------------
+@cuda.jit(device=True)
+def warp_sum(v):
+    """The sum of v over the 32 lanes of a warp, returned in every lane. An xor butterfly: lane i adds the
+    value of lane i^16, then i^8, i^4, i^2, i^1; each pair adds the same two numbers, so every lane ends with
+    the same bits, and the order is the same every run. All 32 lanes must call it."""
+    offset = WARP // 2
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def warp_row():
+    """(row, lane) of this thread: warp w of block b takes row b * (blockDim/32) + w. The warps past the last
+    row leave as a whole warp, so no shuffle ever misses a lane."""
+    tid = cuda.threadIdx.x
+    return cuda.blockIdx.x * (cuda.blockDim.x // WARP) + tid // WARP, tid % WARP
+
+
+@cuda.jit
+def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
+    """inp, out: (N,C); mean, rstd: (N,); weight, bias: (C,). One warp per row, blockDim/32 rows per block.
+    Overwrites out, mean, rstd."""
+    N, C = inp.shape
+    row, lane = warp_row()
+    if row >= N:
+        return
+    # the mean over channels: each lane's strided partial sum (float64), then the warp's butterfly
+    acc = 0.0
+    for i in range(lane, C, WARP):
+        acc += inp[row, i]
+    m = warp_sum(acc) / C
+    # the biased variance, a second pass over the row (from L1)
+    acc = 0.0
+    for i in range(lane, C, WARP):
+        d = inp[row, i] - m
+        acc += d * d
+    s = 1.0 / math.sqrt(warp_sum(acc) / C + LN_EPS)
+    # normalize, then scale and shift
+    for i in range(lane, C, WARP):
+        out[row, i] = (inp[row, i] - m) * s * weight[i] + bias[i]
+    # cache for backward
+    if lane == 0:
+        mean[row] = m
+        rstd[row] = s
+
+
+@cuda.jit
+def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
+    """dinp, dout, inp: (N,C); weight: (C,); mean, rstd: (N,). One warp per row, blockDim/32 rows per block.
+    Accumulates (+=) into dinp."""
+    N, C = inp.shape
+    row, lane = warp_row()
+    if row >= N:
+        return
+    m = mean[row]
+    s = rstd[row]
+    # the two means over the row, of dnorm = weight * dout and of dnorm * norm: one read, two butterflies
+    acc_d = 0.0
+    acc_dn = 0.0
+    for i in range(lane, C, WARP):
+        norm = (inp[row, i] - m) * s
+        dnorm = weight[i] * dout[row, i]
+        acc_d += dnorm
+        acc_dn += dnorm * norm
+    dnorm_mean = warp_sum(acc_d) / C
+    dnorm_norm_mean = warp_sum(acc_dn) / C
+    # the input gradient
+    for i in range(lane, C, WARP):
+        norm = (inp[row, i] - m) * s
+        dnorm = weight[i] * dout[row, i]
+        dinp[row, i] += s * (dnorm - dnorm_mean - norm * dnorm_norm_mean)
+
+
+def warp_rows_geometry(dev, rows: int) -> tuple[int, int]:
+    """(grid, block) of the warp-per-row kernels: dev.block_size threads = block_size/32 rows per block."""
+    return ceil_div(rows, dev.block_size // WARP), dev.block_size
+
+
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
 def layernorm_forward(dev, out, mean, rstd, inp, weight, bias) -> None:
     """out, inp: (B,T,C) or (N,C); mean, rstd: (B,T) or (N,); weight, bias: (C,). Overwrites out, mean, rstd."""
@@ -171,9 +261,11 @@ def layernorm_forward(dev, out, mean, rstd, inp, weight, bias) -> None:
         return layernorm_forward_ref(out, mean, rstd, inp, weight, bias)
     C = inp.shape[-1]
     rows = inp.size // C
-    bs = dev.block_size
-    dev.launch(layernorm_forward_kernel, rows, bs,
-               out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C), weight, bias)
+    args = (out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C), weight, bias)
+    if dev.kind == "gpu":
+        dev.launch(layernorm_forward_warp_kernel, *warp_rows_geometry(dev, rows), *args)
+    else:
+        dev.launch(layernorm_forward_kernel, rows, dev.block_size, *args)
 
 
 def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
@@ -184,8 +276,11 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
     rows = inp.size // C
     bs = dev.block_size
     dout2, inp2, mean1, rstd1 = dout.reshape(-1, C), inp.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
-    dev.launch(layernorm_backward_inp_kernel, rows, bs,
-               dinp.reshape(-1, C), dout2, inp2, weight, mean1, rstd1)
+    args = (dinp.reshape(-1, C), dout2, inp2, weight, mean1, rstd1)
+    if dev.kind == "gpu":
+        dev.launch(layernorm_backward_inp_warp_kernel, *warp_rows_geometry(dev, rows), *args)
+    else:
+        dev.launch(layernorm_backward_inp_kernel, rows, bs, *args)
     # dweight, dbias: partial sums over chunks of rows, then the chunks in order
     grid, block, R, chunk = colsum_geometry(dev, rows, C)
     part_w = dev.scratch("layernorm_dweight", (R, C), np.float64)
