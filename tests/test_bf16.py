@@ -382,7 +382,7 @@ def test_small_gradients_survive_10000_stochastic_accumulations_on_the_gpu(kdev)
     slot = kdev.zeros(n, np.uint16)
     for t in range(steps):
         for stochastic in (True, False):
-            slot.fill(int(gbits))
+            slot.fill(int(gbits.reshape(-1)[0]))
             accumulate_shard_bf16(kdev, acc[stochastic], slot, 0, SEED, t, stochastic)
     sr = bf16_to_f32(kdev.to_host(acc[True])).astype(np.float64)
     near = bf16_to_f32(kdev.to_host(acc[False]))
