@@ -77,7 +77,10 @@ def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None =
          "--model", a.model, "--max-seq-len", str(a.seq_len), "-t", str(a.seq_len),
          "-b", str(batch_size or a.batch_size), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
          "--lr", "1e-2", "--warmup-steps", "2", "--lr-schedule", "constant", "--weight-decay", "0.1",
-         "--grad-clip", "1.0", "--val-data", "", "--quiet"]
+         "--grad-clip", "1.0", "--val-data", "", "--quiet",
+         # every collective launched from Python each step, so the communicator's counters count them
+         # (a replayed CUDA graph runs the same calls without passing through the counters)
+         "--no-cuda-graph"]
     if trace:
         f += ["--trace", trace]
     if not overlap:

@@ -31,15 +31,18 @@ if [[ $what == fast || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_tf32.jsonl" --tol 1e-2
 fi
 if [[ $what == stages || $what == all ]]; then
-  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  # full fp32 products (--no-tf32): TF32's rounding depends on the product's shape, and the 2-rank runs
+  # multiply B=2 where the single run multiplies B=4
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0 --no-tf32"
   run timeout 120 $py -m llmz.train $F --log "$OUT/single.jsonl" 2>&1 | tail -4
   for s in 0 1 2; do
     run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --zero-stage $s --comm nccl --log "$OUT/nccl1_s$s.jsonl" 2>&1 | tail -2
   done
-  F2="--device gpu --model d12 -b 2 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0"
+  F2="--device gpu --model d12 -b 2 -t 1024 --steps 10 --val-every 0 --val-batches 2 --sample-tokens 0 --lr 3e-4 --warmup-steps 0 --no-tf32"
   for s in 0 1 2; do
     run timeout 200 $MPIEXEC -n 2 $py -m llmz.train $F2 --zero-stage $s --comm mpi --log "$OUT/mpi2_s$s.jsonl" 2>&1 | tail -2
   done
+  $py tools/compare_logs.py "$OUT/single.jsonl" "$OUT"/nccl1_s?.jsonl "$OUT"/mpi2_s?.jsonl --tol 1e-5
 fi
 if [[ $what == trace || $what == all ]]; then
   # stage 2 on one rank with NCCL: the reduce-scatters and accumulates run on the comm stream
@@ -51,6 +54,7 @@ if [[ $what == resume || $what == all ]]; then
   F="--device gpu --model d12 -b 4 -t 1024 --steps 4 --val-every 0 --val-batches 1 --sample-tokens 0 --checkpoint-every 2"
   run timeout 150 $py -m llmz.train $F --checkpoint-dir "$OUT/ck_straight" --log "$OUT/straight.jsonl" 2>&1 | tail -1
   run timeout 150 $py -m llmz.train $F --checkpoint-dir "$OUT/ck_resumed" --resume "$OUT/ck_straight/step_000002" --log "$OUT/resumed.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/straight.jsonl" "$OUT/resumed.jsonl" --tol 0
   rm -rf "$OUT"/ck_straight "$OUT"/ck_resumed
 fi
 if [[ $what == lessons || $what == all ]]; then
