@@ -280,15 +280,18 @@ def random_state(rng, n):
 
 def assert_same_update(kdev, got, want, what):
     """The simulator computes the float64 update exactly as NumPy does: equal bits. The GPU compiler
-    contracts a*b + c into fused multiply-adds, which can move float64's last bit, so after the float32
-    store at most a rare element is one float32 ulp (bf16: one step) away."""
+    contracts a*b + c into fused multiply-adds, which moves float64's last bit; where the float64 value
+    lies on a float32 rounding tie (m = 0.9 m + 0.1 g with float32 m and bf16 g lands on ties far more
+    often than chance: measured on the H200, 146,907 of 124,475,904 m values, 0.12%, each one float32 ulp
+    from NumPy's, the float64 value within 1e-16 relative of the midpoint), the float32 store goes the
+    other way. So: at most one ulp (bf16: one step) apart, in at most 0.5% of the elements."""
     if kdev.kind != "gpu":
         assert np.array_equal(got, want, equal_nan=True), what
         return
     step = np.abs(got.view(np.int32 if got.dtype == np.float32 else np.int16).astype(np.int64)
                   - want.view(np.int32 if want.dtype == np.float32 else np.int16).astype(np.int64))
     print(f"{what}: {np.count_nonzero(step)} of {got.size} differ, by at most {step.max()} ulp")
-    assert step.max() <= 1 and np.count_nonzero(step) <= max(10, got.size // 10**6), what
+    assert step.max() <= 1 and np.count_nonzero(step) <= max(10, got.size // 200), what
 
 
 @pytest.mark.parametrize("stochastic", [True, False])
