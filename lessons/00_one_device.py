@@ -71,8 +71,10 @@ def lesson(a, ranks) -> int:
     x, y = rng.integers(0, config.vocab_size, (2, B, T))
     common.say(ranks, f"kernels ({kernel_kind}, float32) against the NumPy reference (cpu, float64): "
                f"L={config.num_layers} C={config.channels} V={config.vocab_size} B={B} T={T}")
-    loss_k, grads_k = forward_backward(Device(kernel_kind, np.float32, ranks.local_rank), config,
-                                       params.astype(np.float32), x, y)
+    # the teaching kernels: the tiled matmul and the direct attention kernels, fp32 throughout (llmz.train's
+    # GPU default, cuBLAS on TF32 tensor cores, rounds products to 10-bit mantissas: ~1e-3, see BENCHMARKS.md)
+    kernels = Device(kernel_kind, np.float32, ranks.local_rank, matmul="numba", attention="direct")
+    loss_k, grads_k = forward_backward(kernels, config, params.astype(np.float32), x, y)
     loss_r, grads_r = forward_backward(Device("cpu", np.float64), config, params, x, y)
     rel = abs(loss_k - loss_r) / abs(loss_r)
     ck.check(rel <= LOSS_TOL, f"loss of the kernels {loss_k:.7f} = reference's {loss_r:.7f} "
