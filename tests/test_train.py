@@ -77,7 +77,7 @@ def bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["magic", "truncated", "no_match", "batch_too_big", "seq_len", "flag",
-                                  "init_from"])
+                                  "init_from", "cublas_on_cpu"])
 def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
     good, magic, truncated = bad_files(tmp_path)
     args = {"magic": ["--train-data", magic],
@@ -86,7 +86,8 @@ def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
             "batch_too_big": ["--train-data", good, "-b", 8, "-t", 64],
             "seq_len": ["--max-seq-len", 32, "-t", 64],
             "flag": ["--steps", -3],
-            "init_from": ["--init-from", truncated]}[case]
+            "init_from": ["--init-from", truncated],
+            "cublas_on_cpu": ["--device", "cpu", "--matmul", "cublas"]}[case]
     p = train(*args, "--steps" if case != "flag" else "--lr", 1 if case != "flag" else 1e-3, timeout=120)
     assert p.returncode != 0
     err = p.stderr.strip().splitlines()
@@ -94,6 +95,8 @@ def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
     assert "error" in err[0] and "Traceback" not in p.stderr
     if case in ("magic", "truncated", "init_from"):
         assert "bin" in err[0]                                    # names the file
+    if case == "cublas_on_cpu":
+        assert "--matmul cublas" in err[0]
 
 
 def test_bench_prints_ms_and_tokens_per_second_on_cpu():

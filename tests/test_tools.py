@@ -1,0 +1,42 @@
+"""The small tools around training: CUDA graphs off the GPU, and the loss-curve comparison."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_graphs_run_the_function_every_time_where_there_is_nothing_to_capture():
+    from llmz.device import Device
+    from llmz.graph import Graphs
+    calls = []
+    g = Graphs(Device("cpu", np.float64), enabled=True)
+    assert not g.enabled                       # only a GPU captures
+    for _ in range(3):
+        g.run("step", lambda: calls.append(1))
+    assert len(calls) == 3 and g.calls == {"step": 3} and not g.graphs
+
+
+def _log(path, losses):
+    with open(path, "w") as f:
+        f.write(json.dumps({"event": "start"}) + "\n")
+        f.writelines(json.dumps({"step": step, "loss": loss, "lr": 1e-3}) + "\n" for step, loss in enumerate(losses))
+        f.write(json.dumps({"step": len(losses) - 1, "val_loss": 9.0}) + "\n")
+
+
+def test_compare_logs_passes_within_tolerance_and_fails_outside(tmp_path):
+    ref, near, far = tmp_path / "ref.jsonl", tmp_path / "near.jsonl", tmp_path / "far.jsonl"
+    _log(ref, [5.0, 4.0, 3.0])
+    _log(near, [5.0, 4.0 * (1 + 1e-7), 3.0])
+    _log(far, [5.0, 4.0, 3.3])
+
+    def compare(*paths, tol):
+        return subprocess.run([sys.executable, "tools/compare_logs.py", *map(str, paths), "--tol", str(tol)],
+                              cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
+    ok = compare(ref, near, tol=1e-6)
+    assert ok.returncode == 0 and ok.stdout.startswith("PASS") and "at step 1" in ok.stdout, ok.stdout
+    bad = compare(ref, near, far, tol=1e-6)
+    assert bad.returncode == 1 and "FAIL" in bad.stdout and "at step 2" in bad.stdout, bad.stdout
