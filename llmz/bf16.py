@@ -96,3 +96,19 @@ def f32_to_bf16_stochastic(x, seed: int, step: int, offset: int = 0) -> np.ndarr
 def bf16_to_f32(b) -> np.ndarray:
     """bfloat16 bits (uint16) -> float32, exactly (bf16 is float32 with the low 16 bits zero)."""
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def is_bf16(a) -> bool:
+    """True for a uint16 array: bf16 values stored as their bit patterns."""
+    return getattr(a, "dtype", None) == np.uint16
+
+
+def run_in_f32(ref, arrays, written) -> None:
+    """A NumPy reference on bf16 storage: ref(*arrays) with every uint16 (bf16 bits) array replaced by a
+    float32 copy of its values, then the copies at the positions in `written` rounded to nearest (ties to
+    even) back into their uint16 arrays. Float arrays pass through and are read and written in place."""
+    wide = [bf16_to_f32(a) if is_bf16(a) else a for a in arrays]
+    ref(*wide)
+    for k in written:
+        if is_bf16(arrays[k]):
+            arrays[k][...] = f32_to_bf16(wide[k])

@@ -11,6 +11,14 @@ float32 <-> uint32 reinterpretation: the NumPy scalar method `np.float32(x).view
 float is loaded as a u32), and in the simulator it is NumPy's own scalar view; no local-array tricks and no
 libdevice (the simulator has no libdevice).
 
+One kernel source for float and bf16 storage: kernels read and write activations through the element
+accessors load(a, i), store(a, i, v), store_add(a, i, v) (i an int or a tuple index). On a uint16 array they
+convert (bf16 -> float32 exactly; float -> bf16 rounded to nearest, ties to even); on a float32/float64 array
+they are the plain a[i], a[i] = v, a[i] += v, so those kernels compute exactly as before. The choice is made
+per array dtype: on the GPU at compile time (a Numba `overload` for the CUDA target returns the body for the
+argument's type, so each specialisation holds only its own path), in the simulator at run time (the
+simulator runs the Python functions below, which pick the same bodies by a.dtype).
+
 Layer functions (kernel on gpu/sim, reference on cpu):
     to_bf16(dev, out_u16, x_f32, mode='nearest'|'stochastic', seed, step, offset=0)   overwrites out
     from_bf16(dev, out_f32, x_u16)                                                      overwrites out
@@ -18,7 +26,8 @@ The bf16 ZeRO-2 accumulate (llmz.kernels.accumulate) and AdamW (llmz.kernels.ada
 functions.
 """
 import numpy as np
-from numba import cuda
+from numba import cuda, types
+from numba.cuda.extending import overload
 
 from ..bf16 import (
     EXP_MASK,
@@ -118,6 +127,56 @@ def round_bf16(x, stochastic, seed, index, step):
     if stochastic:
         return round_stochastic_bits(bits, random_u32_dev(seed, index, step))
     return round_nearest_bits(bits)
+
+
+# ---- element accessors: the same kernel source for float arrays and bf16 (uint16 bits) arrays -------
+def _load_bf16(a, i):
+    return bf16_to_f32_dev(a[i])
+
+
+def _load_plain(a, i):
+    return a[i]
+
+
+def _store_bf16(a, i, v):
+    a[i] = round_nearest_bits(f32_bits(v))
+
+
+def _store_plain(a, i, v):
+    a[i] = v
+
+
+def load(a, i):
+    """a[i] as a float: for uint16 the float32 value of the bf16 bits (exact), otherwise the element itself."""
+    return (_load_bf16 if a.dtype == np.uint16 else _load_plain)(a, i)
+
+
+def store(a, i, v):
+    """a[i] = v. Overwrites. uint16: v as float32, rounded to nearest bf16 (ties to even); otherwise a plain
+    store (cast to a's dtype)."""
+    (_store_bf16 if a.dtype == np.uint16 else _store_plain)(a, i, v)
+
+
+def store_add(a, i, v):
+    """a[i] = a[i] + v. Accumulates. uint16: the bf16 value widened to float32, the add in float32 (float64
+    when v is float64), the sum rounded to nearest bf16; otherwise exactly a[i] += v."""
+    store(a, i, load(a, i) + v)
+
+
+# on the GPU: the body for the array's type, chosen while Numba compiles the kernel
+@overload(load, target="cuda")
+def _load_cuda(a, i):
+    return _load_bf16 if a.dtype == types.uint16 else _load_plain
+
+
+@overload(store, target="cuda")
+def _store_cuda(a, i, v):
+    return _store_bf16 if a.dtype == types.uint16 else _store_plain
+
+
+@overload(store_add, target="cuda")
+def _store_add_cuda(a, i, v):
+    return store_add
 
 
 # ---- Numba kernels: one thread per element ------------------------------------------------------

@@ -20,16 +20,25 @@ every batch), U distinct tokens:
                            entries after it are n too
     table[n+2 : 2n+2]      the token id of run i (i < U), increasing; -1 after
     table[2n+2 : 3n+2]     sorted: the positions b*T+t, stably sorted by token id (ties in increasing position)
+
+out, wte, wpe and the gradients are float32, float64 or uint16 (bf16 bits, computed in float32, results
+rounded to nearest), each on its own; the kernels read and write them through llmz.kernels.bf16's load /
+store / store_add. In bf16 the teaching wte kernel rounds dwte after every add (a token seen k times is
+rounded k times); the bucket kernel, like llm.c's, rounds once per (token, channel).
 """
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store, store_add
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def encoder_forward_ref(out, inp, wte, wpe):
     """out: (B,T,C); inp: (B,T) int token ids; wte: (Vp,C); wpe: (maxT,C), T <= maxT. Overwrites out."""
+    if is_bf16(out) or is_bf16(wte) or is_bf16(wpe):
+        return run_in_f32(lambda o, e, p: encoder_forward_ref(o, inp, e, p), (out, wte, wpe), written=(0,))
     T = inp.shape[1]
     # token row plus position row
     out[...] = wte[inp] + wpe[:T]
@@ -37,6 +46,8 @@ def encoder_forward_ref(out, inp, wte, wpe):
 
 def encoder_backward_ref(dwte, dwpe, dout, inp):
     """dwte: (Vp,C); dwpe: (maxT,C); dout: (B,T,C); inp: (B,T). Accumulates (+=) into dwte, dwpe."""
+    if is_bf16(dwte) or is_bf16(dwpe) or is_bf16(dout):
+        return run_in_f32(lambda e, p, d: encoder_backward_ref(e, p, d, inp), (dwte, dwpe, dout), written=(0, 1))
     T, C = dout.shape[1:]
     # each position's gradient goes to its token's row (repeated tokens add up)
     np.add.at(dwte, inp.reshape(-1), dout.reshape(-1, C))
@@ -54,7 +65,7 @@ def encoder_forward_kernel(out, inp, wte, wpe):
         b = i // (T * C)
         t = (i // C) % T
         c = i % C
-        out[b, t, c] = wte[inp[b, t], c] + wpe[t, c]
+        store(out, (b, t, c), load(wte, (inp[b, t], c)) + load(wpe, (t, c)))
 
 
 @cuda.jit
@@ -67,8 +78,8 @@ def encoder_backward_wpe_kernel(dwpe, dout):
         c = i % C
         acc = 0.0
         for b in range(B):
-            acc += dout[b, t, c]
-        dwpe[t, c] += acc
+            acc += load(dout, (b, t, c))
+        store_add(dwpe, (t, c), acc)
 
 
 @cuda.jit
@@ -80,7 +91,7 @@ def encoder_backward_wte_kernel(dwte, dout, inp):
     if c < C:
         for b in range(B):
             for t in range(T):
-                dwte[inp[b, t], c] += dout[b, t, c]
+                store_add(dwte, (inp[b, t], c), load(dout, (b, t, c)))
 
 
 @cuda.jit
@@ -100,8 +111,8 @@ def encoder_backward_wte_bucket_kernel(dwte, dout, table):
         # the token's positions, in increasing order
         acc = 0.0
         for k in range(start, end):
-            acc += dout[table[2 * n + 2 + k], c]
-        dwte[token, c] += acc
+            acc += load(dout, (table[2 * n + 2 + k], c))
+        store_add(dwte, (token, c), acc)
         c += cuda.gridDim.y * cuda.blockDim.x
 
 

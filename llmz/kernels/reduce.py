@@ -12,6 +12,10 @@ deterministic but latency-bound: only C threads, each N dependent adds. The two-
 The order of every add depends only on N, C, rows_per_block and lanes (fixed per device kind): the same
 bits every run, no atomics. At N=16384 rows, C=768: 24 x 64 blocks of 256 threads, then 768 threads x 64 rows.
 
+x and out may be float32, float64 or uint16 (bf16 bits; read through llmz.kernels.bf16's load, out written
+through store / store_add: the float64 sum added to out's value, rounded to float32 then to nearest bf16);
+the partial sums stay float64.
+
 Other kernels with the same shape of problem (layernorm's dweight and dbias) reuse the pieces: colsum_geometry
 for the launch, stage_rows / strip_partial in their own stage-1 kernel, sum_partials in their stage 2.
 """
@@ -19,7 +23,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store, store_add
 
 # columns per stage-1 block: one warp reads 32 consecutive columns of a row
 COLSUM_STRIP = 32
@@ -34,7 +40,10 @@ MAX_LANES = 32
 # ---- NumPy reference ----------------------------------------------------------------------------
 def column_sum_ref(out, x, accumulate=True):
     """out: (C,); x: (..., C). Accumulates (+=) the sums over all rows of x into out (accumulate=False:
-    overwrites out). Sums in float64 as the kernel does; out keeps its dtype."""
+    overwrites out). Sums in float64 as the kernel does; out keeps its dtype (uint16: bf16 bits, the
+    float64 sum added to out's float32 value, rounded to nearest)."""
+    if is_bf16(out) or is_bf16(x):
+        return run_in_f32(lambda o, v: column_sum_ref(o, v, accumulate), (out, x), written=(0,))
     C = x.shape[-1]
     s = x.reshape(-1, C).sum(axis=0, dtype=np.float64)
     out[...] = out + s if accumulate else s
@@ -98,7 +107,7 @@ def column_sum_partial_kernel(partial, x, rows_per_block):
     acc = 0.0
     if c < C:
         for row in range(first, end, step):
-            acc += x[row, c]
+            acc += load(x, (row, c))
     # the block's lanes, in order
     strip_partial(buf, acc, partial, c)
 
@@ -110,7 +119,10 @@ def column_sum_final_kernel(out, partial, accumulate):
     c = cuda.grid(1)
     if c < out.shape[0]:
         s = sum_partials(partial, c)
-        out[c] = out[c] + s if accumulate else s
+        if accumulate:
+            store_add(out, c, s)
+        else:
+            store(out, c, s)
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------

@@ -1,17 +1,27 @@
-"""The residual connection: out = inp1 + inp2; backward passes dout to both inputs unchanged."""
+"""The residual connection: out = inp1 + inp2; backward passes dout to both inputs unchanged.
+
+Arrays are float32, float64 or uint16 (bf16 bits, added in float32, results rounded to nearest): the kernels
+read and write through llmz.kernels.bf16's load / store / store_add.
+"""
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store, store_add
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def residual_forward_ref(out, inp1, inp2):
     """out, inp1, inp2: any shape, same size. Overwrites out."""
+    if is_bf16(out) or is_bf16(inp1) or is_bf16(inp2):
+        return run_in_f32(residual_forward_ref, (out, inp1, inp2), written=(0,))
     out[...] = inp1 + inp2
 
 
 def residual_backward_ref(dinp1, dinp2, dout):
     """dinp1, dinp2, dout: any shape, same size. Accumulates (+=) into dinp1 and dinp2."""
+    if is_bf16(dinp1) or is_bf16(dinp2) or is_bf16(dout):
+        return run_in_f32(residual_backward_ref, (dinp1, dinp2, dout), written=(0, 1))
     dinp1 += dout
     dinp2 += dout
 
@@ -21,15 +31,16 @@ def residual_backward_ref(dinp1, dinp2, dout):
 def residual_forward_kernel(out, inp1, inp2, n):
     i = cuda.grid(1)
     if i < n:
-        out[i] = inp1[i] + inp2[i]
+        store(out, i, load(inp1, i) + load(inp2, i))
 
 
 @cuda.jit
 def residual_backward_kernel(dinp1, dinp2, dout, n):
     i = cuda.grid(1)
     if i < n:
-        dinp1[i] += dout[i]
-        dinp2[i] += dout[i]
+        d = load(dout, i)
+        store_add(dinp1, i, d)
+        store_add(dinp2, i, d)
 
 
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
