@@ -8,7 +8,8 @@ compute it, with the same arguments (`dev.matmul` picks one):
   numba   gemm_tiled_kernel: TILE x TILE tiles of a and b staged through shared memory, one thread per
           element of c. The teaching version; it runs in the simulator, reaches ~5 TFLOP/s on an H200.
   cublas  cuBLAS's gemmEx / gemmStridedBatchedEx (called through ctypes): fp32 inputs on TF32 tensor cores (fp32
-          accumulation), ~400 TFLOP/s. accumulate=True is beta=1: cuBLAS adds into c, no extra buffer.
+          accumulation), ~400 TFLOP/s; bf16 inputs (uint16 bit patterns) on bf16 tensor cores, fp32
+          accumulation, c rounded to bf16 once. accumulate=True is beta=1: cuBLAS adds into c, no extra buffer.
 
 cuBLAS is column-major and our arrays are row-major. A row-major (r, s) matrix read column-major is its
 transpose, so c = op(a) @ op(b) is computed as c.T = op(b).T @ op(a).T: the same call with a and b swapped
@@ -99,7 +100,10 @@ WORKSPACE_BYTES = 32 << 20      # cuBLAS's workspace, set once: nothing is alloc
 
 
 def _types(dev, dtype):
-    """(data type, compute type) for cuBLAS: fp32 on TF32 tensor cores unless dev.tf32 is off."""
+    """(data type, compute type) for cuBLAS: fp32 on TF32 tensor cores unless dev.tf32 is off; bf16 (stored
+    as uint16 bit patterns) on bf16 tensor cores with fp32 accumulation."""
+    if dtype == np.uint16:
+        return CUDA_R_16BF, CUBLAS_COMPUTE_32F
     if dtype == np.float32:
         return CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32 if dev.tf32 else CUBLAS_COMPUTE_32F
     if dtype == np.float64:
