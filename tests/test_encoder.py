@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import finite_diff, poisoned, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.encoder import (
     encoder_backward,
     encoder_backward_ref,
@@ -146,6 +147,26 @@ def test_encoder_reference_backward_matches_finite_differences(rng):
     assert rel_err(dwte.reshape(-1)[idx], g) <= 1e-6
     idx, g = finite_diff(lambda w: forward64(TOKENS, wte, w), wpe, dout)
     assert rel_err(dwpe.reshape(-1)[idx], g) <= 1e-6
+
+
+def test_encoder_reference_on_bf16_storage_rounds_the_float32_reference(rng):
+    # uint16 wte, wpe, gradients hold bf16 bits (computed in float32, rounded to nearest); uint16 token ids
+    # (llm.c's token files) stay ids
+    B, T = TOKENS.shape
+    tokens = TOKENS.astype(np.uint16)
+    wte, wpe = f32_to_bf16(rng.normal(size=(VP, C))), f32_to_bf16(rng.normal(size=(MAXT, C)))
+    out = np.full((B, T, C), 0x7FC0, np.uint16)
+    encoder_forward_ref(out, tokens, wte, wpe)
+    np.testing.assert_array_equal(out, f32_to_bf16(bf16_to_f32(wte)[TOKENS] + bf16_to_f32(wpe)[:T]))
+    dout = f32_to_bf16(rng.normal(size=(B, T, C)))
+    dwte0, dwpe0 = f32_to_bf16(rng.normal(size=(VP, C))), f32_to_bf16(rng.normal(size=(MAXT, C)))
+    dwte, dwpe = dwte0.copy(), dwpe0.copy()
+    encoder_backward_ref(dwte, dwpe, dout, tokens)
+    want_wte, want_wpe = bf16_to_f32(dwte0), bf16_to_f32(dwpe0)
+    encoder_backward_ref(want_wte, want_wpe, bf16_to_f32(dout), TOKENS)
+    np.testing.assert_array_equal(dwte, f32_to_bf16(want_wte))
+    np.testing.assert_array_equal(dwpe, f32_to_bf16(want_wpe))
+    np.testing.assert_array_equal(tokens, TOKENS)
 
 
 @pytest.mark.gpu

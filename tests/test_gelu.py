@@ -2,6 +2,7 @@
 import numpy as np
 
 from helpers import finite_diff, poisoned, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.gelu import gelu_backward, gelu_backward_ref, gelu_forward, gelu_forward_ref
 
 
@@ -38,3 +39,22 @@ def test_gelu_reference_backward_matches_finite_differences(rng):
     gelu_backward_ref(dinp, x, dout)
     idx, g = finite_diff(f, x, dout)
     assert rel_err(dinp.reshape(-1)[idx], g) < 1e-6
+
+
+def test_gelu_reference_on_bf16_storage_rounds_the_float32_reference(rng):
+    # uint16 arrays hold bf16 bits: the reference computes in float32 and rounds its outputs to nearest
+    x, dout, start = (f32_to_bf16(rng.normal(size=(4, 25)) * 2) for _ in range(3))
+    x0, dout0 = x.copy(), dout.copy()
+    out = np.full(x.shape, 0x7FC0, np.uint16)
+    gelu_forward_ref(out, x)
+    want = np.empty(x.shape, np.float32)
+    gelu_forward_ref(want, bf16_to_f32(x))
+    np.testing.assert_array_equal(out, f32_to_bf16(want))
+    dinp = start.copy()
+    gelu_backward_ref(dinp, x, dout)
+    want = bf16_to_f32(start)
+    gelu_backward_ref(want, bf16_to_f32(x), bf16_to_f32(dout))
+    np.testing.assert_array_equal(dinp, f32_to_bf16(want))
+    # inputs untouched
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(dout, dout0)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import poisoned, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.reduce import colsum_geometry, column_sum, column_sum_ref
 
 
@@ -19,6 +20,19 @@ def test_column_sum_reference_matches_plain_sums(rng):
     assert rel_err(out, want) < 1e-7
     column_sum_ref(out, x, accumulate=False)
     assert rel_err(out, want - start) < 1e-7
+
+
+def test_column_sum_reference_on_bf16_storage_rounds_the_float64_sums(rng):
+    # uint16 x and out hold bf16 bits: sums in float64 of the exact values, added to out's value and rounded
+    # (to float32, then to nearest bf16: the kernel's store)
+    x = f32_to_bf16(rng.normal(size=(3, 7, 5)))
+    start = f32_to_bf16(rng.normal(size=5))
+    s = bf16_to_f32(x).reshape(-1, 5).sum(axis=0, dtype=np.float64)
+    out = start.copy()
+    column_sum_ref(out, x)
+    np.testing.assert_array_equal(out, f32_to_bf16(bf16_to_f32(start) + s))
+    column_sum_ref(out, x, accumulate=False)
+    np.testing.assert_array_equal(out, f32_to_bf16(s))
 
 
 # (37,45): N not a multiple of the chunk (8 rows in the simulator) nor of the lanes (4), C of the 32-column

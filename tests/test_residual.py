@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from helpers import finite_diff, poisoned, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.residual import (
     residual_backward,
     residual_backward_ref,
@@ -51,6 +52,18 @@ def test_residual_reference_backward_matches_finite_differences(rng):
     assert rel_err(da.reshape(-1)[idx], g) <= 1e-6
     idx, g = finite_diff(lambda x: f(a, x), b, dout)
     assert rel_err(db.reshape(-1)[idx], g) <= 1e-6
+
+
+def test_residual_reference_on_bf16_storage_rounds_the_float32_sums(rng):
+    # uint16 arrays hold bf16 bits: one float32 add of the exact values, rounded to nearest
+    a, b, dout, s1, s2 = (f32_to_bf16(rng.normal(size=SHAPE)) for _ in range(5))
+    out = np.full(SHAPE, 0x7FC0, np.uint16)
+    residual_forward_ref(out, a, b)
+    np.testing.assert_array_equal(out, f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b)))
+    d1, d2 = s1.copy(), s2.copy()
+    residual_backward_ref(d1, d2, dout)
+    np.testing.assert_array_equal(d1, f32_to_bf16(bf16_to_f32(s1) + bf16_to_f32(dout)))
+    np.testing.assert_array_equal(d2, f32_to_bf16(bf16_to_f32(s2) + bf16_to_f32(dout)))
 
 
 @pytest.mark.gpu
