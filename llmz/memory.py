@@ -7,7 +7,9 @@ With Ψ parameters, N ranks, and b bytes per value (4 in fp32; 8 when the cpu pa
   1     | bΨ         | bΨ                                          | 2bΨ/N
   2     | bΨ         | bΨ/N + 2 block slots + embeddings + lnf     | 2bΨ/N
 
-(ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N is the bf16 + fp32-master version of the same table; see the bf16 path.)
+In bf16 (b = 2) the optimizer also keeps an fp32 master copy of what it updates: the optimizer state is
+master + m + v = 12Ψ at stage 0 and 12Ψ/N at stages 1 and 2, the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N. Layernorm
+statistics and the losses stay fp32 in every precision.
 The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
 the GPU also reads the memory CuPy's pool holds.
 """
@@ -19,25 +21,30 @@ from .layout import Layout
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
 
 
-def activation_elements(c: GPT2Config, B: int, T: int) -> int:
-    """Elements of llmz.model.Activations: per layer 18C + 4 + NH*T per position, plus the rest."""
+def activation_elements(c: GPT2Config, B: int, T: int) -> tuple[int, int]:
+    """Elements of llmz.model.Activations: (values, statistics). Values, in the run's precision: per layer
+    18C + NH*T per position, plus the rest; statistics (layernorm mean and rstd, losses), fp32 or wider:
+    4 per layer per position, plus 3."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
-    per_layer = 18 * C + 4 + NH * T
-    outside = C + (C + 2) + 2 * Vp + 1          # encoded, lnf (+mean, rstd), logits, probs, losses
+    per_layer = 18 * C + NH * T
+    outside = C + C + 2 * Vp                    # encoded, lnf, logits, probs
     scratch = 13 * C + 3 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
-    return B * T * (L * per_layer + outside + scratch)
+    return B * T * (L * per_layer + outside + scratch), B * T * (4 * L + 3)
 
 
 def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int) -> dict[str, int]:
-    """The formula, with Ψ = the real parameter count (no padding)."""
+    """The formula, with Ψ = the real parameter count (no padding). value_bytes 2 is bf16: the optimizer
+    state is then 4-byte master, m and v."""
     psi, N, b = layout.num_parameters, layout.world_size, value_bytes
-    out = {"parameters": b * psi, "optimizer_state": 2 * b * psi if stage == 0 else 2 * b * psi // N}
+    opt = 12 * psi if b == 2 else 2 * b * psi
+    out = {"parameters": b * psi, "optimizer_state": opt if stage == 0 else opt // N}
     if stage < 2:
         out["gradients"] = b * psi
     else:
         slots = 2 * max(bk.padded_size for bk in layout.buckets[1:-1])
         out["gradients"] = b * psi // N + b * (slots + layout.embeddings.padded_size + layout.lnf.padded_size)
-    out["activations"] = b * activation_elements(layout.config, B, T)
+    values, stats = activation_elements(layout.config, B, T)
+    out["activations"] = b * values + max(b, 4) * stats
     out["communication_buffers"] = 0
     return out
 

@@ -46,28 +46,33 @@ class Activations:
         c = config
         L, C, NH, Vp = c.num_layers, c.channels, c.num_heads, c.padded_vocab_size
         z = dev.zeros
+        # layernorm statistics and the losses: fp32 when the values are bf16 (uint16 bits), else the values' dtype
+        stat = np.float32 if dev.dtype == np.uint16 else dev.dtype
+
+        def zs(shape):
+            return dev.zeros(shape, stat)
         self.encoded = z((B, T, C))             # wte[token] + wpe[t]
         self.ln1 = z((L, B, T, C))
-        self.ln1_mean = z((L, B, T))
-        self.ln1_rstd = z((L, B, T))
+        self.ln1_mean = zs((L, B, T))
+        self.ln1_rstd = zs((L, B, T))
         self.qkv = z((L, B, T, 3 * C))
         self.atty = z((L, B, T, C))             # attention output, before the projection
         self.att = z((L, B, NH, T, T))          # softmax of preatt, causal
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
         self.ln2 = z((L, B, T, C))
-        self.ln2_mean = z((L, B, T))
-        self.ln2_rstd = z((L, B, T))
+        self.ln2_mean = zs((L, B, T))
+        self.ln2_rstd = zs((L, B, T))
         self.fch = z((L, B, T, 4 * C))
         self.fch_gelu = z((L, B, T, 4 * C))
         self.fcproj = z((L, B, T, C))
         self.residual3 = z((L, B, T, C))        # block output = residual2 + MLP branch
         self.lnf = z((B, T, C))
-        self.lnf_mean = z((B, T))
-        self.lnf_rstd = z((B, T))
+        self.lnf_mean = zs((B, T))
+        self.lnf_rstd = zs((B, T))
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
         self.probs = z((B, T, Vp))
-        self.losses = z((B, T))
+        self.losses = zs((B, T))
         # attention's gemm path on the tiled product keeps q, k, v head-major for backward (llm.c's qkvr)
         if dev.kernels and dev.attention == "gemm" and dev.matmul != "cublas":
             self.qkvr = z((L, 3, B, NH, T, C // NH))

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from .bf16 import bf16_to_f32
 from .device import KINDS, resolve
 
 
@@ -27,7 +28,8 @@ def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperatu
         window[0, :len(ctx)] = ctx
         dev.copy_from_host(x, window)
         model.forward(pviews, x)                    # causal: positions after len(ctx) change nothing
-        logits = dev.to_host(model.acts.logits[0, len(ctx) - 1, :V]).astype(np.float64)
+        logits = dev.to_host(model.acts.logits[0, len(ctx) - 1, :V])
+        logits = (bf16_to_f32(logits) if logits.dtype == np.uint16 else logits).astype(np.float64)
         z = logits / max(temperature, 1e-6)
         p = np.exp(z - z.max())
         p /= p.sum()

@@ -43,7 +43,7 @@ from .layout import Layout
 STATE_MAGIC = 20261203
 STATE_VERSION = 1
 ARRAYS = ("params", "m", "v")
-DTYPES = {"fp32": "<f4", "fp64": "<f8"}
+DTYPES = {"fp32": "<f4", "fp64": "<f8", "bf16": "<f4"}     # bf16 runs save their fp32 master, m and v
 MODEL_FILE, DONE_FILE = "model.bin", "DONE"
 STEP_DIR = re.compile(r"step_(\d+)$")
 STATE_FILE = re.compile(r"state_rank(\d+)\.bin$")

@@ -14,8 +14,11 @@ import time
 
 import numpy as np
 
+from .bf16 import bf16_to_f32
 from .device import ATTENTIONS, KINDS, MATMULS, resolve
 
+# storage dtype of each --precision: bf16 values are kept as their uint16 bit patterns (llmz.bf16)
+PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "bf16": np.uint16}
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
 PEAK_TFLOPS = {"H100": {"fp32": 494.7, "bf16": 989.4}, "H200": {"fp32": 494.7, "bf16": 989.4},
                "A100": {"fp32": 156.0, "bf16": 312.0}}
@@ -28,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--device", choices=KINDS, default="auto", help="gpu: Numba kernels on CuPy memory; cpu: NumPy "
       "references; sim: the kernels in Numba's CUDA simulator (tiny models only)")
-    a("--precision", choices=("fp32", "fp64"), default="fp32", help="fp64 only on cpu and sim")
+    a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32", help="fp64 only on cpu and sim; bf16: "
+      "parameters, gradients and activations in bf16, fp32 master weights, m, v, layernorm statistics and "
+      "losses, stochastic rounding in AdamW and in ZeRO-2's accumulation")
     a("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="collective backend between ranks")
     a("--matmul", choices=MATMULS, default="auto", help="cublas (GPU default: cuBLAS via CuPy, TF32 for "
       "fp32) or numba (the tiled teaching kernel; the simulator's default)")
@@ -185,7 +190,7 @@ class Run:
         self.args, self.ranks = args, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.notes: list[str] = []                  # lines for rank 0 to print (resume decisions)
-        dtype = np.float64 if args.precision == "fp64" else np.float32
+        dtype = PRECISIONS[args.precision]
         from .device import Device
         self.dev = Device(kind, dtype, gpu_index=ranks.local_rank, matmul=args.matmul,
                           attention=args.attention, tf32=not args.no_tf32)
@@ -233,7 +238,7 @@ class Run:
             from .trace import Tracer
             self.tracer = Tracer(self.dev, self.rank)
         self.zero = zero.make_stage(args.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
-                                    overlap=not args.no_overlap, tracer=self.tracer)
+                                    overlap=not args.no_overlap, tracer=self.tracer, seed=args.seed)
         self.memory = memory.report(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize,
                                     self.zero, self.model, self.dev)
         self.tokens_per_step = B * T * args.grad_accum * self.world_size
@@ -245,8 +250,9 @@ class Run:
         # ZeRO stage 2 (its captured micro-step, with the reduce-scatters forked to the comm stream, hung
         # at the first replay on the H200 with NCCL: see llmz/graph.py)
         from .graph import Graphs
+        # bf16 too: the stochastic rounding's step is still a launch argument, which a graph would freeze
         self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace) and args.zero_stage < 2
-                             and self.comm.name in ("local", "nccl"))
+                             and self.comm.name in ("local", "nccl") and args.precision != "bf16")
         self.start_step = 0
         if self.resumed:
             self.restore(self.resumed)
@@ -310,7 +316,8 @@ class Run:
         self.comm.barrier()                    # the folder exists and holds no stale DONE
         host = self.host_params()
         if self.rank == 0:
-            save_model(os.path.join(folder, state.MODEL_FILE), self.config, host, self.layout)
+            save_model(os.path.join(folder, state.MODEL_FILE), self.config, host, self.layout,
+                       dtype=self.model_dtype())
         meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
                 "zero_stage": self.args.zero_stage, "precision": self.args.precision,
                 "config": self.config.to_dict(), "flags": resume_flags(self.args),
@@ -334,14 +341,16 @@ class Run:
         from .kernels.fill import zero
         z = self.zero
         zero(self.dev, self.loss_sum)
-        for micro in range(self.args.grad_accum):
+        K = self.args.grad_accum
+        for micro in range(K):
+            z.rounding_step = step * K + micro        # bf16 stage 2: fresh rounding draws every micro-step
             self.next_batch(self.train_loader)
             self.graphs.run("micro_step", self.micro_step)
         z.set_scalars(step)
         self.graphs.run("update", z.optimize)
         loss_sum = float(self.dev.to_host(self.loss_sum)[0])
         grad_norm = z.grad_norm()
-        loss = self.mean_over_ranks(loss_sum / (self.args.grad_accum * self.x.size))
+        loss = self.mean_over_ranks(loss_sum / (K * self.x.size))
         return {"loss": loss, "grad_norm": grad_norm}
 
     def micro_step(self) -> None:
@@ -381,7 +390,13 @@ class Run:
         return self.mean_over_ranks(total / n)
 
     def host_params(self) -> np.ndarray:
-        return self.dev.to_host(self.zero.params)
+        """The full parameters on the host (bf16 runs: the bf16 values, widened to float32)."""
+        p = self.dev.to_host(self.zero.params)
+        return bf16_to_f32(p) if p.dtype == np.uint16 else p
+
+    def model_dtype(self) -> str:
+        """The llm.c model file a run writes: version 5 (bf16) for bf16 training, else version 3 (fp32)."""
+        return "bf16" if self.args.precision == "bf16" else "fp32"
 
     def sample_seed(self) -> int:
         """The seed of the next printed sample, from the run's RNG (saved in checkpoints)."""
@@ -493,7 +508,7 @@ def train(args, kind: str, ranks) -> dict:
         from .checkpoint import save_model
         host = run.host_params()
         if r0:
-            save_model(args.save, c, host, run.layout)
+            save_model(args.save, c, host, run.layout, dtype=run.model_dtype())
             say(f"saved {args.save}")
     if log:
         log.write(json.dumps({"event": "end", **summary}) + "\n")

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels.accumulate import accumulate_shard
-from .kernels.adamw import adamw_update
+from .bf16 import f32_to_bf16
+from .kernels.accumulate import accumulate_shard, accumulate_shard_bf16
+from .kernels.adamw import adamw_update, adamw_update_bf16
 from .kernels.fill import zero
 from .kernels.norm import NORM_BLOCKS, clip_scale, norm_squared
 from .layout import Layout
@@ -34,22 +35,39 @@ class ZeroStage:
     stage = -1
 
     def __init__(self, layout: Layout, dev, comm, opt: AdamW, params_host: np.ndarray,
-                 overlap: bool = True, tracer=None):
+                 overlap: bool = True, tracer=None, seed: int = 0):
         self.layout, self.dev, self.comm, self.opt = layout, dev, comm, opt
         self.rank, self.world_size = comm.rank, comm.world_size
         assert layout.world_size == self.world_size
         self.overlap = overlap
         self.tracer = tracer
         self.allocated: dict[str, int] = {}          # category -> bytes this object allocated (memory report)
+        # bf16 (parameters, gradients and activations as uint16 bit patterns): AdamW updates an fp32 master
+        # copy of what this rank owns and writes the bf16 parameters from it with stochastic rounding; the
+        # rounding draws from (seed, element, step)
+        self.bf16 = dev.dtype == np.uint16
+        self.seed = seed
+        self.step = 0                                 # the optimizer step being taken (stochastic rounding)
+        self.rounding_step = 0                        # the micro-step being accumulated (stage 2, bf16)
         self.params = self._alloc("parameters", layout.total)
-        dev.copy_from_host(self.params, params_host)       # on the compute stream, in order with the kernels
+        # on the compute stream, in order with the kernels
+        dev.copy_from_host(self.params, f32_to_bf16(params_host.astype(np.float32)) if self.bf16 else params_host)
         self.pviews = layout.views(self.params)
         n_opt = layout.total if self.stage == 0 else layout.shard_total
-        self.m = self._alloc("optimizer_state", n_opt)
-        self.v = self._alloc("optimizer_state", n_opt)
+        opt_dtype = np.float32 if self.bf16 else None
+        self.master = None
+        if self.bf16:
+            self.master = self._alloc("optimizer_state", n_opt, opt_dtype)
+            dev.copy_from_host(self.master, self._owned(params_host).astype(np.float32))
+        self.m = self._alloc("optimizer_state", n_opt, opt_dtype)
+        self.v = self._alloc("optimizer_state", n_opt, opt_dtype)
         self.scalars = dev.zeros(4, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t]
         self.norm_sq = dev.zeros(1, np.float64)
         self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
+
+    def _owned(self, full: np.ndarray) -> np.ndarray:
+        """The stretches of a full host buffer this rank's optimizer holds, one after another."""
+        return np.concatenate([full[b.offset + s:b.offset + e] for b, s, e in self.owned_ranges()])
 
     def _alloc(self, category: str, n: int, dtype=None):
         a = self.dev.zeros(n, dtype=dtype)
@@ -88,6 +106,7 @@ class ZeroStage:
 
     def set_scalars(self, step: int) -> None:
         """Copy this step's [lr, 1, 1-beta1^t, 1-beta2^t] to the device (outside any captured graph)."""
+        self.step = step
         self.dev.copy_from_host(self.scalars, np.array(self.opt.scalars(step), dtype=np.float64))
 
     def optimize(self) -> None:
@@ -123,9 +142,17 @@ class ZeroStage:
         at = 0
         for b, s, e in self.owned_ranges():
             n = e - s
-            adamw_update(self.dev, L.bucket_buffer(self.params, b)[s:e], self.grad_slice(b, s, e),
-                         self.m[at:at + n], self.v[at:at + n], L.decay_size_in(b, s, e),
-                         self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay)
+            p, g, m, v = L.bucket_buffer(self.params, b)[s:e], self.grad_slice(b, s, e), self.m[at:at + n], \
+                self.v[at:at + n]
+            if self.bf16:
+                # the fp32 master moves; the bf16 parameter is its stochastic rounding, element i of the
+                # whole buffer drawing at hash index b.offset + s + i (the same bits on every rank and stage)
+                adamw_update_bf16(self.dev, p, self.master[at:at + n], g, m, v, L.decay_size_in(b, s, e),
+                                  self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay, self.seed, self.step,
+                                  offset=b.offset + s)
+            else:
+                adamw_update(self.dev, p, g, m, v, L.decay_size_in(b, s, e), self.scalars, o.beta1, o.beta2,
+                             o.eps, o.weight_decay)
             at += n
 
     def gather_parameters(self) -> None:
@@ -155,11 +182,14 @@ class ZeroStage:
         stage: at stage 0 the N ranks' slices make the whole). params_host: the full host parameters."""
         L = self.layout
         m, v = self.dev.to_host(self.m), self.dev.to_host(self.v)
+        master = self.dev.to_host(self.master) if self.bf16 else None
         out: dict[str, list] = {"params": [], "m": [], "v": []}
         at = 0
         for b, s0, e0 in self.owned_ranges():
             s, e = L.shard_range(b, self.rank)
-            out["params"].append(params_host[b.offset + s:b.offset + e])
+            # bf16: the full-precision parameters are the fp32 master, which holds slice r at every stage
+            out["params"].append(master[at + s - s0:at + e - s0] if self.bf16
+                                 else params_host[b.offset + s:b.offset + e])
             out["m"].append(m[at + s - s0:at + e - s0])
             out["v"].append(v[at + s - s0:at + e - s0])
             at += e0 - s0
@@ -277,8 +307,15 @@ class Stage2(ZeroStage):
             self.tracer.begin(f"reduce-scatter {bucket.name}", "comm")
         self.comm.reduce_scatter(buf, op="avg")
         at = L.shard_offset(bucket)
-        accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
-                         stream=dev.comm_stream)
+        if self.bf16:
+            # add in fp32, round back to bf16 stochastically: element j of the shard draws at its place in
+            # the whole buffer, a fresh word every micro-step
+            accumulate_shard_bf16(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank, self.seed,
+                                  self.rounding_step, stream=dev.comm_stream,
+                                  offset=bucket.offset + L.shard_range(bucket, self.rank)[0])
+        else:
+            accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
+                             stream=dev.comm_stream)
         if self.tracer:
             self.tracer.end(f"reduce-scatter {bucket.name}", "comm")
         self.reduce_scatters_in_backward += 1

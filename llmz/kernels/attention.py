@@ -20,6 +20,11 @@ Two ways to compute it on a GPU (dev.attention):
           wasted upper half never reaches the output. preatt is only defined on and below the diagonal.
           On cuBLAS the products read each head straight out of the (B,T,3C) layout (per-head addresses,
           gemmBatchedEx) and the softmax is one warp per row (shuffles): no head-major copies at all.
+
+Arrays may be float32, float64 or uint16 (bf16 bits, computed in float32, results rounded to nearest), each
+on its own: the kernels read and write them through llmz.kernels.bf16's load / store / store_add, and the
+float32/float64 kernels compute exactly as before. In bf16 the direct softmax kernel rounds twice (att holds
+the unnormalised exponentials before it is scaled in place), the other kernels round once per element.
 """
 import math
 
@@ -27,7 +32,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store, store_add
 from .gemm import Heads, gemm, gemm_heads
 from .norm import MAX_BLOCK, block_max, block_sum
 
@@ -42,6 +49,9 @@ def _split_heads(inp, num_heads):
 
 def attention_forward_ref(out, preatt, att, inp, num_heads):
     """inp (B,T,3C); preatt, att (B,NH,T,T); out (B,T,C). Overwrites out, preatt and att."""
+    if is_bf16(out) or is_bf16(preatt) or is_bf16(att) or is_bf16(inp):
+        return run_in_f32(lambda o, p, a, i: attention_forward_ref(o, p, a, i, num_heads),
+                          (out, preatt, att, inp), written=(0, 1, 2))
     B, T, C3 = inp.shape
     C = C3 // 3
     scale = 1.0 / math.sqrt(C // num_heads)
@@ -64,6 +74,9 @@ def attention_forward_ref(out, preatt, att, inp, num_heads):
 def attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads):
     """dout (B,T,C); inp, dinp (B,T,3C); att, dpreatt, datt (B,NH,T,T).
     Accumulates (+=) into dinp; overwrites dpreatt and datt (scratch)."""
+    arrays = (dinp, dpreatt, datt, dout, inp, att)
+    if any(is_bf16(x) for x in arrays):
+        return run_in_f32(lambda *xs: attention_backward_ref(*xs, num_heads), arrays, written=(0, 1, 2))
     B, T, C3 = inp.shape
     C = C3 // 3
     scale = 1.0 / math.sqrt(C // num_heads)
@@ -101,10 +114,10 @@ def attention_scores_kernel(scores, x, x_off, y, y_off, hs, scale):
             # dot product over the head's channels
             acc = 0.0
             for i in range(h * hs, (h + 1) * hs):
-                acc += x[b, t, x_off + i] * y[b, t2, y_off + i]
-            scores[b, h, t, t2] = scale * acc
+                acc += load(x, (b, t, x_off + i)) * load(y, (b, t2, y_off + i))
+            store(scores, (b, h, t, t2), scale * acc)
         else:
-            scores[b, h, t, t2] = 0.0
+            store(scores, (b, h, t, t2), 0.0)
 
 
 @cuda.jit
@@ -118,21 +131,21 @@ def attention_softmax_kernel(att, preatt):
         h = row // T % NH
         b = row // (T * NH)
         # the row's maximum, for numerical stability
-        maxval = preatt[b, h, t, 0]
+        maxval = load(preatt, (b, h, t, 0))
         for t2 in range(1, t + 1):
-            maxval = max(maxval, preatt[b, h, t, t2])
+            maxval = max(maxval, load(preatt, (b, h, t, t2)))
         # exponentiate and sum
         expsum = 0.0
         for t2 in range(t + 1):
-            e = math.exp(preatt[b, h, t, t2] - maxval)
+            e = math.exp(load(preatt, (b, h, t, t2)) - maxval)
             expsum += e
-            att[b, h, t, t2] = e
-        # normalize; 0 above the diagonal
+            store(att, (b, h, t, t2), e)
+        # normalize (in bf16: the stored, rounded exponentials); 0 above the diagonal
         inv = 1.0 / expsum
         for t2 in range(t + 1):
-            att[b, h, t, t2] *= inv
+            store(att, (b, h, t, t2), load(att, (b, h, t, t2)) * inv)
         for t2 in range(t + 1, T):
-            att[b, h, t, t2] = 0.0
+            store(att, (b, h, t, t2), 0.0)
 
 
 @cuda.jit
@@ -149,8 +162,8 @@ def attention_values_kernel(out, att, inp):
         h = c // hs
         acc = 0.0
         for t2 in range(t + 1):
-            acc += att[b, h, t, t2] * inp[b, t2, 2 * C + c]
-        out[b, t, c] = acc
+            acc += load(att, (b, h, t, t2)) * load(inp, (b, t2, 2 * C + c))
+        store(out, (b, t, c), acc)
 
 
 @cuda.jit
@@ -166,12 +179,12 @@ def attention_softmax_backward_kernel(dpreatt, datt, att):
         # sum over the row of att * datt
         s = 0.0
         for t2 in range(t + 1):
-            s += att[b, h, t, t2] * datt[b, h, t, t2]
+            s += load(att, (b, h, t, t2)) * load(datt, (b, h, t, t2))
         # local softmax derivative; 0 above the diagonal
         for t2 in range(t + 1):
-            dpreatt[b, h, t, t2] = att[b, h, t, t2] * (datt[b, h, t, t2] - s)
+            store(dpreatt, (b, h, t, t2), load(att, (b, h, t, t2)) * (load(datt, (b, h, t, t2)) - s))
         for t2 in range(t + 1, T):
-            dpreatt[b, h, t, t2] = 0.0
+            store(dpreatt, (b, h, t, t2), 0.0)
 
 
 @cuda.jit
@@ -192,16 +205,16 @@ def attention_dinp_kernel(dinp, dpreatt, att, dout, inp, scale):
         # position t as a query: the keys it looked at
         dq = 0.0
         for t2 in range(t + 1):
-            dq += dpreatt[b, h, t, t2] * inp[b, t2, C + c]
+            dq += load(dpreatt, (b, h, t, t2)) * load(inp, (b, t2, C + c))
         # position t as a key and a value: the queries that looked at it
         dk = 0.0
         dv = 0.0
         for t3 in range(t, T):
-            dk += dpreatt[b, h, t3, t] * inp[b, t3, c]
-            dv += att[b, h, t3, t] * dout[b, t3, c]
-        dinp[b, t, c] += scale * dq
-        dinp[b, t, C + c] += scale * dk
-        dinp[b, t, 2 * C + c] += dv
+            dk += load(dpreatt, (b, h, t3, t)) * load(inp, (b, t3, c))
+            dv += load(att, (b, h, t3, t)) * load(dout, (b, t3, c))
+        store_add(dinp, (b, t, c), scale * dq)
+        store_add(dinp, (b, t, C + c), scale * dk)
+        store_add(dinp, (b, t, 2 * C + c), dv)
 
 
 # ---- the gemm path's kernels: head-major copies and a softmax per row --------------------------------
@@ -217,7 +230,7 @@ def heads_split_kernel(y, x):
         b = row // T
         t = row - b * T
         head = c // hs                      # s * NH + h
-        y[head // NH, b, head % NH, t, c - head * hs] = x[row, c]
+        store(y, (head // NH, b, head % NH, t, c - head * hs), load(x, (row, c)))
 
 
 @cuda.jit
@@ -230,11 +243,11 @@ def heads_merge_kernel(x, y, accumulate):
         b = row // T
         t = row - b * T
         head = c // hs
-        v = y[head // NH, b, head % NH, t, c - head * hs]
+        v = load(y, (head // NH, b, head % NH, t, c - head * hs))
         if accumulate:
-            x[row, c] += v
+            store_add(x, (row, c), v)
         else:
-            x[row, c] = v
+            store(x, (row, c), v)
 
 
 @cuda.jit
@@ -251,7 +264,7 @@ def softmax_rows_kernel(att, preatt):
     # the row's maximum over t2 <= t
     m = -math.inf
     for t2 in range(tid, t + 1, nt):
-        m = max(m, numba.float64(preatt[r, t, t2]))
+        m = max(m, numba.float64(load(preatt, (r, t, t2))))
     buf[tid] = m
     cuda.syncthreads()
     block_max(buf, tid, nt)
@@ -260,14 +273,14 @@ def softmax_rows_kernel(att, preatt):
     # the sum of exp(x - max): float32 exponentials (the fast expf), summed in float64
     s = 0.0
     for t2 in range(tid, t + 1, nt):
-        s += math.exp(numba.float32(preatt[r, t, t2] - maxval))
+        s += math.exp(numba.float32(load(preatt, (r, t, t2)) - maxval))
     buf[tid] = s
     cuda.syncthreads()
     block_sum(buf, tid, nt)
     inv = numba.float32(1.0 / buf[0])
     # normalise; 0 above the diagonal
     for t2 in range(tid, T, nt):
-        att[r, t, t2] = math.exp(numba.float32(preatt[r, t, t2] - maxval)) * inv if t2 <= t else 0.0
+        store(att, (r, t, t2), math.exp(numba.float32(load(preatt, (r, t, t2)) - maxval)) * inv if t2 <= t else 0.0)
 
 
 @cuda.jit
@@ -283,13 +296,13 @@ def softmax_rows_backward_kernel(dpreatt, datt, att):
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     s = 0.0
     for t2 in range(tid, t + 1, nt):
-        s += att[r, t, t2] * datt[r, t, t2]
+        s += load(att, (r, t, t2)) * load(datt, (r, t, t2))
     buf[tid] = s
     cuda.syncthreads()
     block_sum(buf, tid, nt)
     total = numba.float32(buf[0])           # the rest in float32 arithmetic
     for t2 in range(tid, T, nt):
-        dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else 0.0
+        store(dpreatt, (r, t, t2), load(att, (r, t, t2)) * (load(datt, (r, t, t2)) - total) if t2 <= t else 0.0)
 
 
 # The same two row operations on a GPU, one warp (32 lanes) per row and 8 rows per block: lane j takes
@@ -326,7 +339,7 @@ def softmax_rows_warp_kernel(att, preatt):
     m = numba.float32(-math.inf)
     s = numba.float32(0.0)
     for t2 in range(lane, t + 1, 32):
-        x = preatt[r, t, t2]
+        x = load(preatt, (r, t, t2))          # float32 for a bf16 row: the shuffles move plain floats
         if x > m:
             s = s * math.exp(m - x) + numba.float32(1.0) if m != -math.inf else numba.float32(1.0)
             m = x
@@ -343,7 +356,7 @@ def softmax_rows_warp_kernel(att, preatt):
     inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
     # normalise; 0 above the diagonal
     for t2 in range(lane, T, 32):
-        att[r, t, t2] = math.exp(preatt[r, t, t2] - m) * inv if t2 <= t else numba.float32(0.0)
+        store(att, (r, t, t2), math.exp(load(preatt, (r, t, t2)) - m) * inv if t2 <= t else numba.float32(0.0))
 
 
 @cuda.jit
@@ -358,14 +371,15 @@ def softmax_rows_backward_warp_kernel(dpreatt, datt, att):
     t = row - r * T
     s = numba.float32(0.0)
     for t2 in range(lane, t + 1, 32):
-        s += att[r, t, t2] * datt[r, t, t2]
+        s += load(att, (r, t, t2)) * load(datt, (r, t, t2))
     off = 16
     while off > 0:
         s += cuda.shfl_down_sync(FULL_MASK, s, off)
         off //= 2
     total = cuda.shfl_sync(FULL_MASK, s, 0)
     for t2 in range(lane, T, 32):
-        dpreatt[r, t, t2] = att[r, t, t2] * (datt[r, t, t2] - total) if t2 <= t else numba.float32(0.0)
+        store(dpreatt, (r, t, t2),
+              load(att, (r, t, t2)) * (load(datt, (r, t, t2)) - total) if t2 <= t else numba.float32(0.0))
 
 
 def softmax_rows(dev, att3, pre3) -> None:

@@ -20,6 +20,10 @@ lacks, and the tests run them there too):
                     (before: 7.0 ms per d12 step, ~940 GB/s).
   backward, rows    grid (rows, column blocks), as matmul_bias_kernel: the row is the block's, no division
                     (before: 3.55 ms per d12 step).
+
+logits, probs and dlogits are float32, float64 or uint16 (bf16 bits, computed in float32, results rounded to
+nearest), each on its own: the kernels read and write them through llmz.kernels.bf16's load / store. losses
+keep the dtype they are given (float32 beside bf16 logits); targets are integers.
 """
 import math
 
@@ -27,13 +31,19 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store
 from .norm import MAX_BLOCK, block_max, block_sum
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
     """logits, probs: (B,T,Vp); targets: (B,T) int; losses: (B,T). Overwrites losses and probs."""
+    if is_bf16(probs) or is_bf16(logits):
+        # losses: a float array, written in place
+        return run_in_f32(lambda lo, p, x: classifier_forward_ref(lo, p, x, targets, vocab_size),
+                          (losses, probs, logits), written=(0, 1))
     V = vocab_size
     x = logits[..., :V]
     # subtract the row max so exp never overflows
@@ -53,6 +63,9 @@ def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
 def classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size):
     """dlogits, probs: (B,T,Vp); targets: (B,T); dloss: a float, d(loss)/d(losses[b,t]) for every b,t.
     Overwrites dlogits (which may be the logits buffer, never probs)."""
+    if is_bf16(dlogits) or is_bf16(probs):
+        return run_in_f32(lambda d, p: classifier_backward_ref(d, p, targets, dloss, vocab_size),
+                          (dlogits, probs), written=(0,))
     V = vocab_size
     # (probs - onehot(target)) * dloss on the real columns
     t = targets[..., None].astype(np.intp)
@@ -75,7 +88,7 @@ def classifier_forward_kernel(losses, probs, logits, targets, V):
     # row max: each thread over its strided columns, then across the block
     m = -math.inf
     for v in range(tid, V, nt):
-        m = max(m, numba.float64(logits[r, v]))
+        m = max(m, numba.float64(load(logits, (r, v))))
     buf[tid] = m
     cuda.syncthreads()
     block_max(buf, tid, nt)
@@ -84,17 +97,17 @@ def classifier_forward_kernel(losses, probs, logits, targets, V):
     # sum of exp(x - max), accumulated in float64
     s = 0.0
     for v in range(tid, V, nt):
-        s += math.exp(logits[r, v] - maxval)
+        s += math.exp(load(logits, (r, v)) - maxval)
     buf[tid] = s
     cuda.syncthreads()
     block_sum(buf, tid, nt)
     total = buf[0]
     # normalise; padded columns are zero
     for v in range(tid, Vp, nt):
-        probs[r, v] = math.exp(logits[r, v] - maxval) / total if v < V else 0.0
+        store(probs, (r, v), math.exp(load(logits, (r, v)) - maxval) / total if v < V else 0.0)
     # loss = log(sum) - (logit[target] - max)
     if tid == 0:
-        losses[r] = math.log(total) - (logits[r, targets[r]] - maxval)
+        losses[r] = math.log(total) - (load(logits, (r, targets[r])) - maxval)
 
 
 @cuda.jit
@@ -106,11 +119,11 @@ def classifier_backward_kernel(dlogits, probs, targets, dloss, V, Vp, n):
         v = i - r * Vp
         if v < V:
             # (p - onehot(target)) * dloss
-            g = probs[i] - (1.0 if v == targets[r] else 0.0)
-            dlogits[i] = g * dloss
+            g = load(probs, i) - (1.0 if v == targets[r] else 0.0)
+            store(dlogits, i, g * dloss)
         else:
             # padded columns get no gradient
-            dlogits[i] = 0.0
+            store(dlogits, i, 0.0)
 
 
 # ---- fast Numba kernels, GPU only ------------------------------------------------------------------
@@ -126,10 +139,10 @@ def classifier_forward_online_kernel(losses, probs, logits, targets, V):
     # each thread over its strided columns: a running max m and s = sum of exp(x - m), rescaled when m grows.
     # m starts at column 0's logit: a value of the row (so m <= the row max), in the logits' dtype (so the
     # exponentials are float32 ones for float32 logits)
-    m = logits[r, 0]
+    m = load(logits, (r, 0))
     s = 0.0
     for v in range(tid, V, nt):
-        x = logits[r, v]
+        x = load(logits, (r, v))
         if x > m:
             s = s * math.exp(m - x) + 1.0
             m = x
@@ -151,10 +164,10 @@ def classifier_forward_online_kernel(losses, probs, logits, targets, V):
     # padded columns are zero
     scale = shift / total
     for v in range(tid, Vp, nt):
-        probs[r, v] = math.exp(logits[r, v] - m) * scale if v < V else 0.0
+        store(probs, (r, v), math.exp(load(logits, (r, v)) - m) * scale if v < V else 0.0)
     # loss = log(sum) - (logit[target] - max)
     if tid == 0:
-        losses[r] = math.log(total) - (logits[r, targets[r]] - maxval)
+        losses[r] = math.log(total) - (load(logits, (r, targets[r])) - maxval)
 
 
 @cuda.jit
@@ -166,11 +179,11 @@ def classifier_backward_rows_kernel(dlogits, probs, targets, dloss, V):
     if v < probs.shape[1]:
         if v < V:
             # (p - onehot(target)) * dloss
-            g = probs[r, v] - (1.0 if v == targets[r] else 0.0)
-            dlogits[r, v] = g * dloss
+            g = load(probs, (r, v)) - (1.0 if v == targets[r] else 0.0)
+            store(dlogits, (r, v), g * dloss)
         else:
             # padded columns get no gradient
-            dlogits[r, v] = 0.0
+            store(dlogits, (r, v), 0.0)
 
 
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------

@@ -2,22 +2,29 @@
 
 A kernel rather than `x[...] = 0` so that on the GPU it runs on the compute stream, in order with the
 layers, with no host synchronisation.
+
+x may be float32, float64 or uint16 (bf16 bits: filled with the bits of value rounded to nearest bf16),
+written through llmz.kernels.bf16's store.
 """
+import numpy as np
 from numba import cuda
 
+from ..bf16 import f32_to_bf16, is_bf16
 from ..device import ceil_div
+from .bf16 import store
 
 
 def fill_ref(x, value):
-    """x: any shape. Overwrites every element with value."""
-    x[...] = value
+    """x: any shape. Overwrites every element with value (uint16: value's bf16 bits)."""
+    x[...] = f32_to_bf16(np.float32(value)) if is_bf16(x) else value
 
 
 @cuda.jit
 def fill_kernel(x, value, n):
+    # x (n,). Overwrites x[i] with value.
     i = cuda.grid(1)
     if i < n:
-        x[i] = value
+        store(x, i, value)
 
 
 def fill(dev, x, value=0.0, stream=None):

@@ -7,6 +7,8 @@ compute it, with the same arguments (`dev.matmul` picks one):
 
   numba   gemm_tiled_kernel: TILE x TILE tiles of a and b staged through shared memory, one thread per
           element of c. The teaching version; it runs in the simulator, reaches ~5 TFLOP/s on an H200.
+          a, b, c may each be float32, float64 or uint16 (bf16 bits): read and written through
+          llmz.kernels.bf16's load / store / store_add; a bf16 operand is staged as float32 (exact).
   cublas  cuBLAS's gemmEx / gemmStridedBatchedEx (called through ctypes): fp32 inputs on TF32 tensor cores (fp32
           accumulation), ~400 TFLOP/s; bf16 inputs (uint16 bit patterns) on bf16 tensor cores, fp32
           accumulation, c rounded to bf16 once. accumulate=True is beta=1: cuBLAS adds into c, no extra buffer.
@@ -16,16 +18,23 @@ transpose, so c = op(a) @ op(b) is computed as c.T = op(b).T @ op(a).T: the same
 and every leading dimension the number of columns of the row-major array.
 """
 import numpy as np
-from numba import cuda
+from numba import cuda, types
+from numba.cuda.extending import overload
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store
 
 TILE = 16   # the tiled kernel's blocks are TILE x TILE threads; each block computes one TILE x TILE tile of c
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def gemm_ref(c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:
-    """c (Z,M,N) or (M,N) (+)= alpha * op(a) @ op(b)."""
+    """c (Z,M,N) or (M,N) (+)= alpha * op(a) @ op(b). uint16 (bf16 bits) arrays: computed in float32, c
+    rounded to nearest once."""
+    if is_bf16(c) or is_bf16(a) or is_bf16(b):
+        return run_in_f32(lambda c_, a_, b_: gemm_ref(c_, a_, b_, trans_a, trans_b, accumulate, alpha),
+                          (c, a, b), written=(0,))
     opa = a.swapaxes(-1, -2) if trans_a else a
     opb = b.swapaxes(-1, -2) if trans_b else b
     prod = alpha * (opa @ opb)
@@ -36,6 +45,20 @@ def gemm_ref(c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: flo
 
 
 # ---- the teaching kernel ------------------------------------------------------------------------
+def tile_dtype(a):
+    """The dtype of a's shared-memory tile: a.dtype for float arrays (the float32/float64 kernels are as
+    before), float32 for uint16 (bf16 bits): the tile holds the loaded values, exactly."""
+    return np.float32 if a.dtype == np.uint16 else a.dtype
+
+
+# on the GPU: chosen while Numba compiles the kernel (cuda.shared.array needs a compile-time dtype)
+@overload(tile_dtype, target="cuda")
+def _tile_dtype_cuda(a):
+    if a.dtype == types.uint16:
+        return lambda a: np.float32
+    return lambda a: a.dtype
+
+
 @cuda.jit
 def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
     # c (Z,M,N) = alpha * op(a) @ op(b) per batch index z, or += that when `accumulate`; op(a) (M,K), op(b)
@@ -43,8 +66,8 @@ def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
     # Block (bx, by, z) computes the tile c[z, by*TILE:(by+1)*TILE, bx*TILE:(bx+1)*TILE]; thread (tx, ty) one element.
     _, M, N = c.shape
     K = a.shape[1] if trans_a else a.shape[2]
-    a_tile = cuda.shared.array((TILE, TILE), dtype=a.dtype)
-    b_tile = cuda.shared.array((TILE, TILE), dtype=b.dtype)
+    a_tile = cuda.shared.array((TILE, TILE), dtype=tile_dtype(a))
+    b_tile = cuda.shared.array((TILE, TILE), dtype=tile_dtype(b))
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
     z = cuda.blockIdx.z
@@ -56,16 +79,16 @@ def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
         # edges; on a transposed operand the threads swap roles so that consecutive tx read consecutive addresses
         if trans_a:
             i, k = row0 + tx, k0 + ty
-            a_tile[tx, ty] = a[z, k, i] if i < M and k < K else 0.0
+            a_tile[tx, ty] = load(a, (z, k, i)) if i < M and k < K else 0.0
         else:
             i, k = row0 + ty, k0 + tx
-            a_tile[ty, tx] = a[z, i, k] if i < M and k < K else 0.0
+            a_tile[ty, tx] = load(a, (z, i, k)) if i < M and k < K else 0.0
         if trans_b:
             j, k = col0 + ty, k0 + tx
-            b_tile[tx, ty] = b[z, j, k] if j < N and k < K else 0.0
+            b_tile[tx, ty] = load(b, (z, j, k)) if j < N and k < K else 0.0
         else:
             j, k = col0 + tx, k0 + ty
-            b_tile[ty, tx] = b[z, k, j] if j < N and k < K else 0.0
+            b_tile[ty, tx] = load(b, (z, k, j)) if j < N and k < K else 0.0
         cuda.syncthreads()
         # partial dot product of row ty of a_tile with column tx of b_tile
         for kk in range(TILE):
@@ -74,11 +97,13 @@ def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
     i = row0 + ty
     j = col0 + tx
     if i < M and j < N:
-        # overwrite or accumulate (an overwritten c is never read: it may hold NaN)
+        # overwrite or accumulate (an overwritten c is never read: it may hold NaN). The add is spelled out,
+        # c read before the product, as `c[...] += alpha * acc` evaluates: then the compiler keeps the product
+        # in this branch and fuses it into the add (one fma), exactly as before the bf16 accessors
         if accumulate:
-            c[z, i, j] += alpha * acc
+            store(c, (z, i, j), load(c, (z, i, j)) + alpha * acc)
         else:
-            c[z, i, j] = alpha * acc
+            store(c, (z, i, j), alpha * acc)
 
 
 def gemm_tiled(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float = 1.0) -> None:

@@ -22,6 +22,11 @@ Fast versions, GPU only (the simulator has no warp shuffles; it runs the teachin
 Sums are accumulated in float64 (registers and shared memory) whatever the input dtype; the block's
 threads are summed in a fixed order (norm.block_sum's tree, reduce.strip_partial's lanes, warp_sum's
 butterfly): deterministic.
+
+inp, out, dinp, dout, weight, bias, dweight, dbias are float32, float64 or uint16 (bf16 bits, computed in
+float32, results rounded to nearest), each on its own: the kernels read and write them through
+llmz.kernels.bf16's load / store / store_add. mean and rstd are statistics: they keep the dtype they are given
+(float32 beside bf16 activations), read and written directly, as are the float64 partial sums.
 """
 import math
 
@@ -29,7 +34,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
+from .bf16 import load, store, store_add
 from .norm import MAX_BLOCK, block_sum
 from .reduce import COLSUM_STRIP, MAX_LANES, colsum_geometry, stage_rows, strip_partial, sum_partials
 
@@ -42,6 +49,9 @@ FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in the shuffle
 def layernorm_forward_ref(out, mean, rstd, inp, weight, bias):
     """inp, out: (B,T,C) or (N,C); mean, rstd: (B,T) or (N,), kept for backward; weight, bias: (C,).
     Overwrites out, mean, rstd."""
+    if is_bf16(out) or is_bf16(inp) or is_bf16(weight) or is_bf16(bias):
+        # mean, rstd: float arrays, written in place
+        return run_in_f32(layernorm_forward_ref, (out, mean, rstd, inp, weight, bias), written=(0, 1, 2))
     # the mean over channels
     m = inp.mean(axis=-1, keepdims=True)
     # the biased variance, and its reciprocal standard deviation
@@ -57,6 +67,9 @@ def layernorm_forward_ref(out, mean, rstd, inp, weight, bias):
 def layernorm_backward_ref(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     """dout, inp, dinp: (B,T,C) or (N,C); mean, rstd: (B,T) or (N,); weight, dweight, dbias: (C,).
     Accumulates (+=) into dinp, dweight, dbias."""
+    arrays = (dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+    if any(is_bf16(a) for a in arrays):
+        return run_in_f32(layernorm_backward_ref, arrays, written=(0, 1, 2))
     C = inp.shape[-1]
     m = mean[..., None]
     s = rstd[..., None]
@@ -84,7 +97,7 @@ def layernorm_forward_kernel(out, mean, rstd, inp, weight, bias):
     # the mean over channels: per-thread partial sums, then the block's tree
     acc = 0.0
     for i in range(tid, C, nt):
-        acc += inp[row, i]
+        acc += load(inp, (row, i))
     buf[tid] = acc
     cuda.syncthreads()
     block_sum(buf, tid, nt)
@@ -93,7 +106,7 @@ def layernorm_forward_kernel(out, mean, rstd, inp, weight, bias):
     # the biased variance, a second pass over the row
     acc = 0.0
     for i in range(tid, C, nt):
-        d = inp[row, i] - m
+        d = load(inp, (row, i)) - m
         acc += d * d
     buf[tid] = acc
     cuda.syncthreads()
@@ -101,7 +114,7 @@ def layernorm_forward_kernel(out, mean, rstd, inp, weight, bias):
     s = 1.0 / math.sqrt(buf[0] / C + LN_EPS)
     # normalize, then scale and shift
     for i in range(tid, C, nt):
-        out[row, i] = (inp[row, i] - m) * s * weight[i] + bias[i]
+        store(out, (row, i), (load(inp, (row, i)) - m) * s * load(weight, i) + load(bias, i))
     # cache for backward
     if tid == 0:
         mean[row] = m
@@ -122,8 +135,8 @@ def layernorm_backward_inp_kernel(dinp, dout, inp, weight, mean, rstd):
     acc_d = 0.0
     acc_dn = 0.0
     for i in range(tid, C, nt):
-        norm = (inp[row, i] - m) * s
-        dnorm = weight[i] * dout[row, i]
+        norm = (load(inp, (row, i)) - m) * s
+        dnorm = load(weight, i) * load(dout, (row, i))
         acc_d += dnorm
         acc_dn += dnorm * norm
     buf[tid] = acc_d
@@ -137,9 +150,9 @@ def layernorm_backward_inp_kernel(dinp, dout, inp, weight, mean, rstd):
     dnorm_norm_mean = buf[0] / C
     # the input gradient
     for i in range(tid, C, nt):
-        norm = (inp[row, i] - m) * s
-        dnorm = weight[i] * dout[row, i]
-        dinp[row, i] += s * (dnorm - dnorm_mean - norm * dnorm_norm_mean)
+        norm = (load(inp, (row, i)) - m) * s
+        dnorm = load(weight, i) * load(dout, (row, i))
+        store_add(dinp, (row, i), s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
 
 
 @cuda.jit
@@ -155,9 +168,10 @@ def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rs
     if c < C:
         for row in range(first, end, step):
             # dbias: sum of dout; dweight: sum of norm * dout
-            norm = (inp[row, c] - mean[row]) * rstd[row]
-            acc_w += norm * dout[row, c]
-            acc_b += dout[row, c]
+            norm = (load(inp, (row, c)) - mean[row]) * rstd[row]
+            g = load(dout, (row, c))
+            acc_w += norm * g
+            acc_b += g
     # the block's lanes, in order
     strip_partial(buf, acc_w, part_w, c)
     strip_partial(buf, acc_b, part_b, c)
@@ -169,8 +183,8 @@ def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
     summed in order. Accumulates (+=) into dweight, dbias."""
     c = cuda.grid(1)
     if c < dweight.shape[0]:
-        dweight[c] += sum_partials(part_w, c)
-        dbias[c] += sum_partials(part_b, c)
+        store_add(dweight, c, sum_partials(part_w, c))
+        store_add(dbias, c, sum_partials(part_b, c))
 
 
 # ---- fast Numba kernels, GPU only: one warp per row --------------------------------------------
@@ -205,17 +219,17 @@ def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
     # the mean over channels: each lane's strided partial sum (float64), then the warp's butterfly
     acc = 0.0
     for i in range(lane, C, WARP):
-        acc += inp[row, i]
+        acc += load(inp, (row, i))
     m = warp_sum(acc) / C
     # the biased variance, a second pass over the row (from L1)
     acc = 0.0
     for i in range(lane, C, WARP):
-        d = inp[row, i] - m
+        d = load(inp, (row, i)) - m
         acc += d * d
     s = 1.0 / math.sqrt(warp_sum(acc) / C + LN_EPS)
     # normalize, then scale and shift
     for i in range(lane, C, WARP):
-        out[row, i] = (inp[row, i] - m) * s * weight[i] + bias[i]
+        store(out, (row, i), (load(inp, (row, i)) - m) * s * load(weight, i) + load(bias, i))
     # cache for backward
     if lane == 0:
         mean[row] = m
@@ -236,17 +250,17 @@ def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
     acc_d = 0.0
     acc_dn = 0.0
     for i in range(lane, C, WARP):
-        norm = (inp[row, i] - m) * s
-        dnorm = weight[i] * dout[row, i]
+        norm = (load(inp, (row, i)) - m) * s
+        dnorm = load(weight, i) * load(dout, (row, i))
         acc_d += dnorm
         acc_dn += dnorm * norm
     dnorm_mean = warp_sum(acc_d) / C
     dnorm_norm_mean = warp_sum(acc_dn) / C
     # the input gradient
     for i in range(lane, C, WARP):
-        norm = (inp[row, i] - m) * s
-        dnorm = weight[i] * dout[row, i]
-        dinp[row, i] += s * (dnorm - dnorm_mean - norm * dnorm_norm_mean)
+        norm = (load(inp, (row, i)) - m) * s
+        dnorm = load(weight, i) * load(dout, (row, i))
+        store_add(dinp, (row, i), s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
 
 
 def warp_rows_geometry(dev, rows: int) -> tuple[int, int]:

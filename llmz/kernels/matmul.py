@@ -8,18 +8,26 @@ which is cuBLAS (TF32 tensor cores) or the tiled teaching kernel, as dev.matmul 
 accumulates straight into the gradient buffer (cuBLAS beta=1). The bias is added by its own kernel, as in
 llm.c's dev/cuda/matmul_forward.cu, so both products share it (and a Numba kernel on the GPU cannot take
 None for an absent bias); the bias gradient is a deterministic two-stage column sum (llmz.kernels.reduce).
+
+Arrays may be float32, float64 or uint16 (bf16 bits, computed in float32, results rounded to nearest): the
+bias kernel reads and writes through llmz.kernels.bf16's load / store_add; the references go through
+llmz.bf16.run_in_f32.
 """
 import numpy as np
 from numba import cuda
 
+from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .gemm import TILE, gemm, gemm_tiled  # noqa: F401  (TILE, gemm_tiled: the teaching kernel, tested here)
+from .bf16 import load, store_add
 from .reduce import column_sum
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def matmul_forward_ref(out, inp, weight, bias):
     """inp (...,C), weight (OC,C), bias (OC,) or None, out (...,OC). Overwrites out."""
+    if is_bf16(out) or is_bf16(inp) or is_bf16(weight) or is_bf16(bias):
+        return run_in_f32(matmul_forward_ref, (out, inp, weight, bias), written=(0,))
     OC, C = weight.shape
     out2 = out.reshape(-1, OC)
     # out = inp @ weight.T
@@ -32,6 +40,9 @@ def matmul_forward_ref(out, inp, weight, bias):
 def matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight):
     """dout (...,OC), inp and dinp (...,C), weight and dweight (OC,C), dbias (OC,) or None.
     Accumulates (+=) into dinp, dweight and dbias."""
+    arrays = (dinp, dweight, dbias, dout, inp, weight)
+    if any(is_bf16(x) for x in arrays):
+        return run_in_f32(matmul_backward_ref, arrays, written=(0, 1, 2))
     OC, C = weight.shape
     dout2 = dout.reshape(-1, OC)
     # gradient of the input: dout @ weight
@@ -47,10 +58,11 @@ def matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight):
 @cuda.jit
 def matmul_bias_kernel(out, bias):
     # out (N,OC) += bias (OC,), broadcast over rows. Block (row, j): columns j*blockDim + tid of one row.
+    # Accumulates (+=) into out.
     row = cuda.blockIdx.x
     oc = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if oc < out.shape[1]:
-        out[row, oc] += bias[oc]
+        store_add(out, (row, oc), load(bias, oc))
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------

@@ -7,6 +7,8 @@ The sum is DETERMINISTIC (the same bits every run, so a resumed run repeats exac
 two passes in a fixed order. Pass 1: each of `nblocks` blocks grid-strides over x, accumulating in float64
 even for float32 x, reduces its threads in shared memory and writes scratch[block]. Pass 2: one block sums
 scratch[0:nblocks] in a fixed tree order into out[0]. nblocks depends only on n and dev.block_size.
+x may be float32, float64 or uint16 (bf16 bits, read exactly through llmz.kernels.bf16's load); the sum is
+float64 whatever x is.
 
 clip_scale writes the factor into scalars[1], the grad_scale slot of the array AdamW reads, on the device:
 the step never waits for the host, and the whole of it can be captured as a CUDA graph.
@@ -17,7 +19,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..bf16 import bf16_to_f32, is_bf16
 from ..device import ceil_div
+from .bf16 import load
 
 # blocks in pass 1 on the GPU; scratch must hold at least this many float64 (the simulator uses fewer:
 # at most dev.block_size blocks)
@@ -30,6 +34,9 @@ MAX_BLOCK = 1024
 def norm_squared_ref(out, x, scratch, accumulate=False):
     """out: (1,) float64; x: (n,); scratch: unused here. Overwrites out[0] with sum(x^2), in float64
     (accumulate=True: adds it to out[0], for a norm over several arrays)."""
+    # bf16 bits: their float32 values (exact)
+    if is_bf16(x):
+        x = bf16_to_f32(x)
     # einsum accumulates in float64 without a float64 copy of x
     s = np.einsum("i,i->", x.reshape(-1), x.reshape(-1), dtype=np.float64)
     out[0] = out[0] + s if accumulate else s
@@ -85,7 +92,7 @@ def norm_partial_kernel(scratch, x, n):
     # each thread: a grid-stride loop, accumulating in float64
     s = 0.0
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        xi = numba.float64(x[i])
+        xi = numba.float64(load(x, i))
         s += xi * xi
     buf[tid] = s
     cuda.syncthreads()
