@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vocab-size", type=int, default=50257)
     a("-b", "--batch-size", type=int, default=16)
     a("-t", "--seq-len", type=int, default=1024)
-    a("--precision", choices=("fp32", "fp64"), default="fp32")
+    a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32")
     a("--matmul", choices=MATMULS, default="auto")
     a("--attention", choices=ATTENTIONS, default="auto")
     a("--no-tf32", action="store_true")
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
         del run
         r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, attention=args.torch_attention)
         print(f"  PyTorch {r['torch_version']} eager ({r['attention']}, {args.precision}"
-              f"{', TF32' if args.precision == 'fp32' else ''}): {r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} "
+              f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "
+              f"{r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} "
               f"tokens/s, peak {r['peak_bytes'] / 2**30:.2f} GiB")
         print(f"  llmz / PyTorch = {tps / r['tokens_per_s']:.3f}")
     return 0

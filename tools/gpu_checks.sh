@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|d12|bench|fast|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -29,6 +29,21 @@ if [[ $what == fast || $what == all ]]; then
   run timeout 100 $py -m llmz.train $F --log "$OUT/curve_fast_tf32.jsonl" 2>&1 | tail -1
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_fp32.jsonl" --tol 1e-4
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_tf32.jsonl" --tol 1e-2
+fi
+if [[ $what == bf16 || $what == all ]]; then
+  # issue 7: every kernel test (bf16 ones included), 50 steps of d12 in bf16 against fp32 (1% per step),
+  # the stages in bf16 against each other, and issue 8's bf16 bench beside PyTorch autocast
+  run timeout 300 $py -m pytest -q -s -p no:cacheprovider tests -k "bf16" -m gpu 2>&1 | tee "$OUT/gpu_bf16_tests.txt" | grep -E "worst|passed|failed"
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet"
+  run timeout 100 $py -m llmz.train $F --precision fp32 --log "$OUT/curve_fp32.jsonl" 2>&1 | tail -1
+  run timeout 100 $py -m llmz.train $F --precision bf16 --log "$OUT/curve_bf16.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/curve_fp32.jsonl" "$OUT/curve_bf16.jsonl" --tol 1e-2
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 1 --sample-tokens 0 --precision bf16 --quiet"
+  for s in 0 1 2; do
+    run timeout 150 $MPIEXEC -n 1 $py -m llmz.train $F --zero-stage $s --comm nccl --log "$OUT/bf16_s$s.jsonl" 2>&1 | tail -1
+  done
+  $py tools/compare_logs.py "$OUT/bf16_s0.jsonl" "$OUT/bf16_s1.jsonl" "$OUT/bf16_s2.jsonl" --tol 1e-2
+  run timeout 300 $py -m llmz.bench --precision bf16 --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_bf16.txt"
 fi
 if [[ $what == stages || $what == all ]]; then
   # full fp32 products (--no-tf32): TF32's rounding depends on the product's shape, and the 2-rank runs
