@@ -18,8 +18,8 @@ from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
-from .gemm import TILE, gemm, gemm_tiled  # noqa: F401  (TILE, gemm_tiled: the teaching kernel, tested here)
 from .bf16 import load, store_add
+from .gemm import TILE, gemm, gemm_tiled  # noqa: F401  (TILE, gemm_tiled: the teaching kernel, tested here)
 from .reduce import column_sum
 
 
