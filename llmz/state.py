@@ -347,10 +347,18 @@ def load_checkpoint(path: str) -> Checkpoint:
     if m and int(m.group(1)) != first.step:
         raise LlmzError(f"{first.path}: step {first.step} in a folder named for step {int(m.group(1))}")
     ckpt = Checkpoint(path, config, states)
-    # the model file holds the same parameters, rounded to fp32 (a mixed-up folder fails here)
+    # the model file holds the same parameters, rounded to fp32 (a mixed-up folder fails here); a bf16 run's
+    # model file holds the bf16 parameters, each a stochastic rounding of its fp32 master: within one bf16
+    # step (2^-7 relative) of it
     one = Layout(config, 1)
     params = one.to_llmc(ckpt.assemble("params", full_ranges(one))).astype(np.float32)
-    if not np.array_equal(params, llmc, equal_nan=True):
+    if first.meta["precision"] == "bf16":
+        same = np.all(np.abs(params - llmc) <= 2.0**-7 * np.abs(params) + 1e-30) or np.array_equal(
+            params, llmc, equal_nan=True)
+    else:
+        same = np.array_equal(params, llmc, equal_nan=True)
+    if not same:
         raise LlmzError(f"{os.path.join(path, MODEL_FILE)}: parameters differ from the state files' "
-                        f"(fp32-rounded): files of two runs?")
+                        f"({'within one bf16 step' if first.meta['precision'] == 'bf16' else 'fp32-rounded'}): "
+                        f"files of two runs?")
     return ckpt

@@ -238,7 +238,8 @@ class Run:
             from .trace import Tracer
             self.tracer = Tracer(self.dev, self.rank)
         self.zero = zero.make_stage(args.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
-                                    overlap=not args.no_overlap, tracer=self.tracer, seed=args.seed)
+                                    overlap=not args.no_overlap, tracer=self.tracer, seed=args.seed,
+                                    start_step=self.resumed.step if self.resumed else 0)
         self.memory = memory.report(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize,
                                     self.zero, self.model, self.dev)
         self.tokens_per_step = B * T * args.grad_accum * self.world_size

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bf16 import f32_to_bf16
+from .bf16 import f32_to_bf16, f32_to_bf16_stochastic
 from .kernels.accumulate import accumulate_shard, accumulate_shard_bf16
 from .kernels.adamw import adamw_update, adamw_update_bf16
 from .kernels.fill import zero
@@ -35,7 +35,7 @@ class ZeroStage:
     stage = -1
 
     def __init__(self, layout: Layout, dev, comm, opt: AdamW, params_host: np.ndarray,
-                 overlap: bool = True, tracer=None, seed: int = 0):
+                 overlap: bool = True, tracer=None, seed: int = 0, start_step: int = 0):
         self.layout, self.dev, self.comm, self.opt = layout, dev, comm, opt
         self.rank, self.world_size = comm.rank, comm.world_size
         assert layout.world_size == self.world_size
@@ -50,8 +50,13 @@ class ZeroStage:
         self.step = 0                                 # the optimizer step being taken (stochastic rounding)
         self.rounding_step = 0                        # the micro-step being accumulated (stage 2, bf16)
         self.params = self._alloc("parameters", layout.total)
-        # on the compute stream, in order with the kernels
-        dev.copy_from_host(self.params, f32_to_bf16(params_host.astype(np.float32)) if self.bf16 else params_host)
+        # on the compute stream, in order with the kernels. bf16: params_host is the fp32 master; the bf16
+        # parameters are its rounding to nearest at the start, and after `start_step` updates (a resume) the
+        # stochastic rounding that step's AdamW wrote, recomputed from the same (seed, element, step)
+        if self.bf16:
+            host32 = params_host.astype(np.float32)
+            bits = f32_to_bf16_stochastic(host32, seed, start_step - 1, 0) if start_step else f32_to_bf16(host32)
+        dev.copy_from_host(self.params, bits if self.bf16 else params_host)
         self.pviews = layout.views(self.params)
         n_opt = layout.total if self.stage == 0 else layout.shard_total
         opt_dtype = np.float32 if self.bf16 else None

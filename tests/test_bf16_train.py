@@ -31,7 +31,7 @@ def test_bf16_loss_follows_fp32_within_a_few_percent_and_memory_matches_the_form
     rel = np.abs(l16 - l32) / l32
     print(f"bf16 vs fp32 over {STEPS} steps: loss {l32[0]:.4f} -> {l32[-1]:.4f} (fp32), {l16[-1]:.4f} (bf16); "
           f"worst relative difference {rel.max():.2e}")
-    assert l16[-1] < 0.8 * l16[0]                    # it trains
+    assert l16[-1] < 0.85 * l16[0]                   # it trains (fp32: 5.53 -> 4.50)
     assert rel.max() < 0.03                          # tiny model, 30 steps: bf16 rounding moves it ~1%
     # every parameter is a bf16 value (widened for the host): the low 16 bits of its float32 are zero
     assert not np.any(p16.astype(np.float32).view(np.uint32) & 0xFFFF)
