@@ -10,7 +10,7 @@ work replays at ~1 µs a launch. What a captured region may not do, and how llmz
     batch is copied into the same input buffers every micro-step.
 NCCL calls can be captured (ZeRO-1's all-reduce of the norm and its all-gathers are: on the H200, one rank
 over NCCL at stage 1, graphed, gives the single process's losses exactly, and the 50-step fast-path curve
-follows the eager teaching kernels within 1.2e-7), MPI's host-staged ones cannot. Not yet ZeRO-2: its micro-step
+follows the teaching kernels within 1.2e-7), MPI's host-staged ones cannot. Not yet ZeRO-2: its micro-step
 forks every block's reduce-scatter and accumulate to the comm stream and joins at the end, which CUDA
 allows, but the captured graph hung at its first replay (H200, one rank, NCCL); llmz.train runs stage 2
 eagerly until that is understood.
