@@ -182,6 +182,14 @@ class _Cublas:
         if status != 0:
             raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
 
+    def call_args(self, dev, dtype, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float) -> tuple:
+        """What every gemm call takes besides shapes and pointers: (data type, compute type, &alpha, &beta,
+        op(a), op(b)); alpha and beta are fp32 scalars for an fp32 compute type, fp64 for fp64."""
+        data, compute = _types(dev, dtype)
+        sdt = np.float64 if compute == CUBLAS_COMPUTE_64F else np.float32
+        return (data, compute, self.scalar(alpha, sdt), self.scalar(1.0 if accumulate else 0.0, sdt),
+                CUBLAS_OP_T if trans_a else CUBLAS_OP_N, CUBLAS_OP_T if trans_b else CUBLAS_OP_N)
+
     def scalar(self, value: float, dtype) -> int:
         key = (float(value), np.dtype(dtype).str)
         a = self.scalars.get(key)
@@ -203,12 +211,7 @@ def gemm_cublas(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, al
     Z = c.shape[0] if batched else 1
     M, N = c.shape[-2:]
     K = a.shape[-2] if trans_a else a.shape[-1]
-    dtype, compute = _types(dev, c.dtype)
-    # alpha, beta: fp32 scalars for an fp32 compute type, fp64 for fp64
-    sdt = np.float64 if compute == CUBLAS_COMPUTE_64F else np.float32
-    al, be = cb.scalar(alpha, sdt), cb.scalar(1.0 if accumulate else 0.0, sdt)
-    opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
-    opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
+    dtype, compute, al, be, opa, opb = cb.call_args(dev, c.dtype, trans_a, trans_b, accumulate, alpha)
     lda, ldb = a.shape[-1], b.shape[-1]
     name = f"cublas {'batch ' + str(Z) + ' x ' if batched else ''}{M}x{N}x{K} {'NT'[trans_a]}{'NT'[trans_b]}"
     with dev.region(name, flops=2 * Z * M * N * K, nbytes=a.nbytes + b.nbytes + c.nbytes):
@@ -253,11 +256,7 @@ def gemm_heads(dev, c: Heads, a: Heads, b: Heads, trans_a: bool, trans_b: bool, 
     cb = _cublas(dev)
     Z, M, N = a.B * a.NH, c.rows, c.cols
     K = a.rows if trans_a else a.cols
-    dtype, compute = _types(dev, c.array.dtype)
-    sdt = np.float64 if compute == CUBLAS_COMPUTE_64F else np.float32
-    al, be = cb.scalar(alpha, sdt), cb.scalar(1.0 if accumulate else 0.0, sdt)
-    opa = CUBLAS_OP_T if trans_a else CUBLAS_OP_N
-    opb = CUBLAS_OP_T if trans_b else CUBLAS_OP_N
+    dtype, compute, al, be, opa, opb = cb.call_args(dev, c.array.dtype, trans_a, trans_b, accumulate, alpha)
     isz = c.array.dtype.itemsize
     name = f"cublas heads {Z} x {M}x{N}x{K} {'NT'[trans_a]}{'NT'[trans_b]}"
     with dev.region(name, flops=2 * Z * M * N * K, nbytes=Z * isz * (M * K + K * N + M * N)):
