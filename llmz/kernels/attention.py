@@ -407,11 +407,13 @@ def _heads(dev, kernel, x, y, *args) -> None:
     dev.launch(kernel, grid, dev.block_size, *((x2, y) if kernel is heads_merge_kernel else (y, x2)), *args)
 
 
-def _qkv_heads(inp, NH):
-    """q, k, v of every (b, h) as matrices (T, hs) inside inp (B,T,3C) (no copies: cuBLAS reads them there)."""
-    B, T, C3 = inp.shape
-    hs = C3 // 3 // NH
-    return [Heads(inp, i * C3 // 3, T * C3, hs, C3, T, hs, B, NH) for i in range(3)]
+def _row_heads(x, NH, parts=1):
+    """x (B,T,parts*C) as `parts` lists of B*NH matrices (T, hs) in place (no copies: cuBLAS reads and writes
+    them there): q, k, v out of the qkv activation (parts=3), or the heads of a (B,T,C) array side by side."""
+    B, T, W = x.shape
+    C = W // parts
+    hs = C // NH
+    return [Heads(x, i * C, T * W, hs, W, T, hs, B, NH) for i in range(parts)]
 
 
 def _square_heads(x, NH):
@@ -427,9 +429,9 @@ def attention_forward_heads(dev, out, preatt, att, inp, num_heads) -> None:
     B, T, C3 = inp.shape
     C = C3 // 3
     NH, hs = num_heads, C // num_heads
-    q, k, v = _qkv_heads(inp, NH)
+    q, k, v = _row_heads(inp, NH, 3)
     pre, at = _square_heads(preatt, NH), _square_heads(att, NH)
-    y = Heads(out, 0, T * C, hs, C, T, hs, B, NH)
+    (y,) = _row_heads(out, NH)
     # preatt = q @ k.T / sqrt(hs)
     gemm_heads(dev, pre, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
     # att = causal softmax of each row
@@ -443,10 +445,10 @@ def attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads
     datt."""
     B, T, C = dout.shape
     NH, hs = num_heads, C // num_heads
-    q, k, v = _qkv_heads(inp, NH)
-    dq, dk, dv = _qkv_heads(dinp, NH)
+    q, k, v = _row_heads(inp, NH, 3)
+    dq, dk, dv = _row_heads(dinp, NH, 3)
     at, dat, dpre = _square_heads(att, NH), _square_heads(datt, NH), _square_heads(dpreatt, NH)
-    dy = Heads(dout, 0, T * C, hs, C, T, hs, B, NH)
+    (dy,) = _row_heads(dout, NH)
     # through y = att @ v: datt = dy @ v.T, dv += att.T @ dy
     gemm_heads(dev, dat, dy, v, False, True, False)
     gemm_heads(dev, dv, at, dy, True, False, True)
