@@ -36,3 +36,17 @@ def finite_diff(f, x: np.ndarray, dout: np.ndarray, eps: float = 1e-6, max_check
         flat[i] = old
         g[k] = (lp - lm) / (2 * eps)
     return idx, g
+
+
+def gpu_ms_per_call(dev, call, reps=20) -> float:
+    """Milliseconds per call of `call` (launches on dev's compute stream), timed with CUDA events after one
+    warm-up call (which compiles)."""
+    import cupy
+    call()
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    e0.record(dev.compute_stream.cupy)
+    for _ in range(reps):
+        call()
+    e1.record(dev.compute_stream.cupy)
+    e1.synchronize()
+    return cupy.cuda.get_elapsed_time(e0, e1) / reps

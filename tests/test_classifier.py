@@ -4,7 +4,7 @@ kernels (GPU only in the layer) need nothing the simulator lacks: they run here 
 import numpy as np
 import pytest
 
-from helpers import finite_diff, poisoned, rel_err
+from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
 from llmz.device import ceil_div
 from llmz.kernels.classifier import (
     classifier_backward,
@@ -191,20 +191,6 @@ def test_classifier_backward_rows_kernel_gives_the_teaching_kernels_bits(kdev, r
     classifier_backward_ref(ref, kdev.to_host(p).astype(np.float64), targets[0], dloss, V)
     # float32 probs: one rounding of (p - onehot) * dloss
     assert rel_err(kdev.to_host(fast), ref) < 1e-6
-
-
-def gpu_ms_per_call(dev, call, reps=20) -> float:
-    """Milliseconds per call of `call` (launches on dev's compute stream), timed with CUDA events after one
-    warm-up call (which compiles)."""
-    import cupy
-    call()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record(dev.compute_stream.cupy)
-    for _ in range(reps):
-        call()
-    e1.record(dev.compute_stream.cupy)
-    e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / reps
 
 
 # (4096, 50257, 50304): d12's vocabulary, B*T = 4 x 1024 rows; (7, 100, 131): few rows, Vp % 256 != 0

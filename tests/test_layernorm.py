@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import finite_diff, poisoned, rel_err
+from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
 from llmz.device import ceil_div
 from llmz.kernels.layernorm import (
     WARP,
@@ -210,20 +210,6 @@ def test_layernorm_backward_warp_kernel_matches_reference_and_accumulates(wdev, 
                            *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
     # float64 sums; float32 products (weight*dout, norm) and the float32 store: a few ulps per element
     assert rel_err(wdev.to_host(dinp), want) < 1e-6
-
-
-def gpu_ms_per_call(dev, call, reps=20) -> float:
-    """Milliseconds per call of `call` (launches on dev's compute stream), timed with CUDA events after one
-    warm-up call (which compiles)."""
-    import cupy
-    call()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record(dev.compute_stream.cupy)
-    for _ in range(reps):
-        call()
-    e1.record(dev.compute_stream.cupy)
-    e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / reps
 
 
 # (16384,768): d12's B*T rows at B=16; (37,45): odd rows, a block with warps past the last row, C % 32 != 0
