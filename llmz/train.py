@@ -345,7 +345,7 @@ class Run:
         K = self.args.grad_accum
         for micro in range(K):
             z.rounding_step = step * K + micro        # bf16 stage 2: fresh rounding draws every micro-step
-            self.next_batch(self.train_loader)
+            self.next_batch(self.train_loader, backward=True)
             self.graphs.run("micro_step", self.micro_step)
         z.set_scalars(step)
         self.graphs.run("update", z.optimize)
@@ -364,12 +364,14 @@ class Run:
         m.backward(z.pviews, z, self.x, self.y, 1.0 / (a.batch_size * a.seq_len * a.grad_accum))
         z.backward_done()
 
-    def next_batch(self, loader) -> None:
-        """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream)."""
+    def next_batch(self, loader, backward: bool = False) -> None:
+        """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream). backward:
+        the batch's backward follows, so on the GPU also its positions sorted by token (the fast wte backward;
+        a forward-only batch, as in validation, needs none)."""
         x, y = loader.next_batch()
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
-        if self.dev.kind == "gpu":           # the positions sorted by token, for the fast wte backward
+        if backward and self.dev.kind == "gpu":
             from .kernels.encoder import wte_buckets_upload
             self.model.wte_buckets = wte_buckets_upload(self.dev, x)
 
