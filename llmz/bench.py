@@ -68,27 +68,21 @@ def gpu_name(dev) -> str:
 
 
 def per_kernel(run, step: int, precision: str) -> str:
-    """One step with a CUDA event pair around every kernel and cuBLAS call: the table as text. The step is
-    captured afresh as CUDA graphs with the events inside, so no launch overhead of the host lands between
-    a pair (eagerly, a slow Python launch leaves the GPU idle between the events; that is the fallback)."""
-    from .graph import Graphs
-    dev = run.dev
+    """One eager step with a CUDA event pair around every kernel and cuBLAS call: the table as text. (Events
+    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair also counts any
+    time the GPU waits for a slow Python launch, so compare the table's sum with the graphed step time: equal
+    when the GPU, not the host, sets the pace."""
     import cupy
-    records, how = None, "captured as a CUDA graph"
-    for graphs in (Graphs(dev, enabled=True, warm=True), Graphs(dev, enabled=False)):
+    dev = run.dev
+    dev.synchronize()
+    enabled, run.graphs.enabled = run.graphs.enabled, False
+    dev.profile = []
+    try:
+        run.step(step)
         dev.synchronize()
-        kept, run.graphs = run.graphs, graphs
-        dev.profile = []
-        try:
-            run.step(step)
-            dev.synchronize()
-            records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
-        except Exception as e:  # noqa: BLE001  (event timing inside graphs unsupported: time eagerly)
-            how = f"eager ({type(e).__name__} when timing inside a graph)"
-        finally:
-            dev.profile, run.graphs = None, kept
-        if records is not None:
-            break
+        records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
+    finally:
+        dev.profile, run.graphs.enabled = None, enabled
     rows: dict[str, list] = {}
     for (name, _, _, flops, nbytes), ms in records:
         r = rows.setdefault(name, [0, 0.0, 0, 0])
@@ -98,7 +92,7 @@ def per_kernel(run, step: int, precision: str) -> str:
         r[3] += nbytes
     total = sum(r[1] for r in rows.values())
     ceil = next((v for k, v in CEILINGS.items() if k in gpu_name(dev)), None)
-    lines = [f"per kernel, one step {how} ({len(records)} launches; sum {total:.1f} ms):",
+    lines = [f"per kernel, one eager step ({len(records)} launches; sum {total:.1f} ms):",
              f"  {'kernel':<36}{'calls':>6}{'ms/step':>10}{'share':>8}{'achieved':>14}{'of ceiling':>12}"]
     for name, (calls, ms, flops, nbytes) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
         if flops:

@@ -24,18 +24,16 @@ from __future__ import annotations
 class Graphs:
     """Named CUDA graphs on a Device's compute stream. Disabled (or not on a GPU): run() just calls fn()."""
 
-    def __init__(self, dev, enabled: bool = True, warm: bool = False):
-        """warm: every kernel has run before (another Graphs' warm-up), so capture on the first call."""
+    def __init__(self, dev, enabled: bool = True):
         self.dev = dev
         self.enabled = enabled and dev.kind == "gpu"
-        self.warm = warm
         self.calls: dict[str, int] = {}
         self.graphs: dict = {}
 
     def run(self, name: str, fn) -> None:
         n = self.calls.get(name, 0)
         self.calls[name] = n + 1
-        if not self.enabled or (n == 0 and not self.warm):
+        if not self.enabled or n == 0:
             fn()                         # eager: the first call compiles every kernel and allocates scratch
             return
         graph = self.graphs.get(name)
