@@ -33,7 +33,8 @@ class AdamW:
         return final + coeff * (self.lr - final)
 
     def scalars(self, step: int) -> list[float]:
-        """What the AdamW kernel reads from device memory: [lr, grad_scale, 1 - beta1^t, 1 - beta2^t].
-        grad_scale starts at 1 and is overwritten on the device by the clipping kernel."""
+        """What the AdamW kernel reads from device memory: [lr, grad_scale, 1 - beta1^t, 1 - beta2^t, step].
+        grad_scale starts at 1 and is overwritten on the device by the clipping kernel; step (0-based, exact
+        in a float64) is the bf16 stochastic rounding's step."""
         t = step + 1
-        return [self.lr_at(step), 1.0, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t]
+        return [self.lr_at(step), 1.0, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t, float(step)]

@@ -251,9 +251,9 @@ class Run:
         # ZeRO stage 2 (its captured micro-step, with the reduce-scatters forked to the comm stream, hung
         # at the first replay on the H200 with NCCL: see llmz/graph.py)
         from .graph import Graphs
-        # bf16 too: the stochastic rounding's step is still a launch argument, which a graph would freeze
+        # (bf16 as well: AdamW's stochastic rounding reads its step from device memory, zero.set_scalars)
         self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace) and args.zero_stage < 2
-                             and self.comm.name in ("local", "nccl") and args.precision != "bf16")
+                             and self.comm.name in ("local", "nccl"))
         self.start_step = 0
         if self.resumed:
             self.restore(self.resumed)

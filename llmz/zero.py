@@ -47,7 +47,6 @@ class ZeroStage:
         # rounding draws from (seed, element, step)
         self.bf16 = dev.dtype == np.uint16
         self.seed = seed
-        self.step = 0                                 # the optimizer step being taken (stochastic rounding)
         self.rounding_step = 0                        # the micro-step being accumulated (stage 2, bf16)
         self.params = self._alloc("parameters", layout.total)
         # on the compute stream, in order with the kernels. bf16: params_host is the fp32 master; the bf16
@@ -66,7 +65,7 @@ class ZeroStage:
             dev.copy_from_host(self.master, self._owned(params_host).astype(np.float32))
         self.m = self._alloc("optimizer_state", n_opt, opt_dtype)
         self.v = self._alloc("optimizer_state", n_opt, opt_dtype)
-        self.scalars = dev.zeros(4, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t]
+        self.scalars = dev.zeros(5, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t, step]
         self.norm_sq = dev.zeros(1, np.float64)
         self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
 
@@ -110,8 +109,7 @@ class ZeroStage:
         return self.grad_norm()
 
     def set_scalars(self, step: int) -> None:
-        """Copy this step's [lr, 1, 1-beta1^t, 1-beta2^t] to the device (outside any captured graph)."""
-        self.step = step
+        """Copy this step's [lr, 1, 1-beta1^t, 1-beta2^t, step] to the device (outside any captured graph)."""
         self.dev.copy_from_host(self.scalars, np.array(self.opt.scalars(step), dtype=np.float64))
 
     def optimize(self) -> None:
@@ -153,7 +151,7 @@ class ZeroStage:
                 # the fp32 master moves; the bf16 parameter is its stochastic rounding, element i of the
                 # whole buffer drawing at hash index b.offset + s + i (the same bits on every rank and stage)
                 adamw_update_bf16(self.dev, p, self.master[at:at + n], g, m, v, L.decay_size_in(b, s, e),
-                                  self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay, self.seed, self.step,
+                                  self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay, self.seed,
                                   offset=b.offset + s)
             else:
                 adamw_update(self.dev, p, g, m, v, L.decay_size_in(b, s, e), self.scalars, o.beta1, o.beta2,

@@ -268,7 +268,8 @@ def test_accumulate_shard_bf16_rejects_a_slot_that_does_not_split(kdev):
 
 # ---- the bf16 AdamW kernel ---------------------------------------------------------------------------
 def scalars_at(t, lr=3e-4, grad_scale=0.7):
-    return np.array([lr, grad_scale, 1 - BETA1**t, 1 - BETA2**t], dtype=np.float64)
+    # [lr, grad_scale, bias corrections, the rounding's step]: here step t draws with step t
+    return np.array([lr, grad_scale, 1 - BETA1**t, 1 - BETA2**t, t], dtype=np.float64)
 
 
 def random_state(rng, n):
@@ -303,8 +304,8 @@ def test_adamw_bf16_kernel_matches_reference_over_steps(kdev, rng, stochastic):
         g = f32_to_bf16(rng.normal(size=n))
         p_k, master_k, m_k, v_k = dev_state
         adamw_update_bf16(kdev, p_k, master_k, kdev.asarray(g), m_k, v_k, decay, kdev.asarray(scalars_at(t)),
-                          BETA1, BETA2, EPS, WD, SEED, t, stochastic, offset=1000)
-        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED, t,
+                          BETA1, BETA2, EPS, WD, SEED, stochastic, offset=1000)
+        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED,
                               stochastic, offset=1000)
     got = [kdev.to_host(a) for a in dev_state]
     for name, a, b in zip(("params", "master", "m", "v"), got, (params, master, m, v)):
@@ -326,7 +327,7 @@ def test_adamw_bf16_master_update_is_the_fp32_kernels_update(kdev, rng):
     g = f32_to_bf16(rng.normal(size=n))
     bf = [kdev.asarray(a) for a in (params, master, m, v)]
     adamw_update_bf16(kdev, bf[0], bf[1], kdev.asarray(g), bf[2], bf[3], decay, kdev.asarray(scalars_at(2)),
-                      BETA1, BETA2, EPS, WD, SEED, 2)
+                      BETA1, BETA2, EPS, WD, SEED)
     fp = [kdev.asarray(a) for a in (master, m, v)]
     adamw_update(kdev, fp[0], kdev.asarray(bf16_to_f32(g)), fp[1], fp[2], decay, kdev.asarray(scalars_at(2)),
                  BETA1, BETA2, EPS, WD)
@@ -341,7 +342,7 @@ def test_adamw_bf16_reference_tracks_float64_adamw(rng):
     p64, m64, v64 = master.astype(np.float64), m.astype(np.float64), v.astype(np.float64)
     for t in range(1, 6):
         g = f32_to_bf16(rng.normal(size=n))
-        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED, t)
+        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED)
         adamw_update_ref(p64, bf16_to_f32(g).astype(np.float64), m64, v64, decay, scalars_at(t),
                          BETA1, BETA2, EPS, WD)
     # float32 storage of master, m and v after each of 5 steps
@@ -403,8 +404,8 @@ def test_adamw_bf16_kernel_matches_reference_at_gpt2_size(kdev, rng):
     dev_state = [kdev.asarray(a) for a in (params, master, m, v)]
     p_k, master_k, m_k, v_k = dev_state
     adamw_update_bf16(kdev, p_k, master_k, kdev.asarray(g), m_k, v_k, decay, kdev.asarray(scalars_at(5)),
-                      BETA1, BETA2, EPS, WD, SEED, 5)
-    adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(5), BETA1, BETA2, EPS, WD, SEED, 5)
+                      BETA1, BETA2, EPS, WD, SEED)
+    adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(5), BETA1, BETA2, EPS, WD, SEED)
     for name, a, b in zip(("params", "master", "m", "v"), dev_state, (params, master, m, v)):
         assert_same_update(kdev, kdev.to_host(a), b, name)
 

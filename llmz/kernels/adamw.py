@@ -6,7 +6,7 @@
     p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p),   wd = weight_decay for i < decay_size, 0 after
 
 The numbers that change from step to step (lr, grad_scale, the two bias corrections) come from a small
-float64 device array, `scalars` = [lr, grad_scale, 1 - beta1^t, 1 - beta2^t], not from Python floats: a
+float64 device array, `scalars` = [lr, grad_scale, 1 - beta1^t, 1 - beta2^t, step], not from Python floats: a
 kernel launch then never changes between steps, so the whole step can be captured once as a CUDA graph and
 replayed (the clipping factor is even computed on the device, by norm.clip_scale). beta1, beta2, eps and
 weight_decay are fixed for a run and stay plain arguments.
@@ -18,15 +18,16 @@ adamw_kernel3), so updates smaller than half a bf16 ulp still move the bf16 weig
 kernels call one device function, `adamw_element`, so the formula exists once on the device; the bf16
 reference calls the fp32 reference in float64. The simulator computes exactly as the reference (Python floats
 are IEEE doubles); on the GPU, NVVM contracts a*b + c into fused multiply-adds (its default), which can move
-the last bit of a float64 and so, rarely, one float32 ulp of a stored value. `seed` and `step` are launch
-arguments: a step captured in a CUDA graph would replay the same random bits (move `step` into `scalars` then).
+the last bit of a float64 and so, rarely, one float32 ulp of a stored value. The stochastic rounding's step
+is scalars[4] (the optimizer step, 0-based; a float64 holds it exactly), read on the device like the learning
+rate, so a replayed CUDA graph draws fresh bits every step; `seed` is fixed for a run and a launch argument.
 """
 import math
 
 import numpy as np
 from numba import cuda
 
-from ..bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
+from ..bf16 import M32, bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
 from ..device import ceil_div
 from .bf16 import bf16_to_f32_dev, hash_args, round_bf16
 
@@ -50,16 +51,17 @@ def adamw_update_ref(params, grads, m, v, decay_size, scalars, beta1, beta2, eps
 
 
 def adamw_update_bf16_ref(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
-                          seed, step, stochastic=True, offset=0):
+                          seed, stochastic=True, offset=0):
     """params, grads: (n,) uint16 bf16 bits; master, m, v: (n,) float32. Overwrites params, master, m, v.
     The update in float64 (as the kernel computes it), stored as float32; params = bf16(master), element i
-    drawing its random word at hash index offset + i."""
+    drawing its random word at hash index offset + i and step scalars[4]."""
     p, g = master.astype(np.float64), bf16_to_f32(grads).astype(np.float64)
     m64, v64 = m.astype(np.float64), v.astype(np.float64)
     # the fp32 master update: the one formula above, in float64
     adamw_update_ref(p, g, m64, v64, decay_size, scalars, beta1, beta2, eps, weight_decay)
     m[...], v[...], master[...] = m64, v64, p
     # the bf16 parameter: the new master, rounded
+    step = int(scalars[4])
     params[...] = f32_to_bf16_stochastic(master, seed, step, offset) if stochastic else f32_to_bf16(master)
 
 
@@ -95,8 +97,9 @@ def adamw_kernel(params, grads, m, v, decay_size, scalars, beta1, beta2, eps, we
 
 @cuda.jit
 def adamw_bf16_kernel(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
-                      stochastic, seed, step, offset, n):
-    """params, grads: (n,) uint16 bf16 bits; master, m, v: (n,) float32. Overwrites all but grads."""
+                      stochastic, seed, offset, n):
+    """params, grads: (n,) uint16 bf16 bits; master, m, v: (n,) float32; scalars (5,) float64, the rounding's
+    step in scalars[4]. Overwrites all but grads."""
     i = cuda.grid(1)
     if i < n:
         # scaled (clipped) gradient from its bf16 bits; weight decay below decay_size
@@ -110,6 +113,7 @@ def adamw_bf16_kernel(params, master, grads, m, v, decay_size, scalars, beta1, b
         p32 = np.float32(p)
         master[i] = p32
         # the bf16 parameter: the new master, rounded (stochastically: hash index offset + i)
+        step = np.uint64(scalars[4]) & M32
         params[i] = round_bf16(p32, stochastic, seed, offset + np.uint64(i), step)
 
 
@@ -126,17 +130,18 @@ def adamw_update(dev, params, grads, m, v, decay_size, scalars, beta1, beta2, ep
 
 
 def adamw_update_bf16(dev, params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2, eps,
-                      weight_decay, seed, step, stochastic=True, offset=0):
-    """params_u16, grads_u16: (n,) bf16 bits; master_f32, m, v: (n,) float32; scalars as in adamw_update.
-    Updates the fp32 master, m and v, and writes params = bf16(master) rounded stochastically with the random
-    word of (seed, offset + i, step) (or to nearest). Pass the optimizer step as `step`, and as `offset` the
+                      weight_decay, seed, stochastic=True, offset=0):
+    """params_u16, grads_u16: (n,) bf16 bits; master_f32, m, v: (n,) float32; scalars as in adamw_update plus
+    the optimizer step in scalars[4]. Updates the fp32 master, m and v, and writes params = bf16(master) rounded
+    stochastically with the random word of (seed, offset + i, step) (or to nearest). Pass as `offset` the
     position of params[0] in the whole flat parameter buffer: every rank and ZeRO stage then draws the same
     bits for the same parameter. Overwrites params, master, m and v."""
     if not dev.kernels:
         return adamw_update_bf16_ref(params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2,
-                                     eps, weight_decay, seed, step, stochastic, offset)
+                                     eps, weight_decay, seed, stochastic, offset)
     n = params_u16.size
+    seed_u64, _, offset_u64 = hash_args(seed, 0, offset)          # the step comes from scalars[4]
     dev.launch(adamw_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size,
                params_u16, master_f32, grads_u16, m, v, int(decay_size), scalars,
                float(beta1), float(beta2), float(eps), float(weight_decay), bool(stochastic),
-               *hash_args(seed, step, offset), n)
+               seed_u64, offset_u64, n)
