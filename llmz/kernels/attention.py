@@ -309,8 +309,13 @@ def softmax_rows_backward_kernel(dpreatt, datt, att):
 # t2 = j, j+32, ..., and the lanes combine through warp shuffles (no shared memory, no __syncthreads). The
 # combination runs in a fixed order (lane 0 gathers by shfl_down, then broadcasts), so the bits are the
 # same every run. The simulator has no shuffles: it runs the block kernels above.
+# Each lane reads UNROLL elements of its row (t2, t2+32, t2+64, t2+96) before it computes with any of them:
+# a row is only 1024 elements, one 2-byte load per lane per iteration would keep ~64 bytes in flight per
+# warp, far too few to cover the H200's memory latency (measured: the one-at-a-time loop ran bf16 at ~1 TB/s).
 FULL_MASK = 0xFFFFFFFF
 ROWS_PER_BLOCK = 8
+UNROLL = 4
+CHUNK = 32 * UNROLL                     # elements of a row a warp reads per iteration
 
 
 @cuda.jit(device=True)
@@ -325,26 +330,42 @@ def _combine(m, s, mo, so):
     return mn, a + b
 
 
+@cuda.jit(device=True)
+def _at(a, r, t, t2, last, fill):
+    """a[r, t, t2] as a float32 for t2 <= last, else `fill` (past the diagonal or the row's end)."""
+    return numba.float32(load(a, (r, t, t2))) if t2 <= last else fill
+
+
+@cuda.jit(device=True)
+def _warp_row():
+    """(row, lane) of this thread: ROWS_PER_BLOCK warps per block, one row each."""
+    return cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+
+
 @cuda.jit
 def softmax_rows_warp_kernel(att, preatt):
     # att, preatt (R,T,T): as softmax_rows_kernel, one warp per row (r,t). Overwrites att.
     T = att.shape[1]
-    lane = cuda.threadIdx.x % 32
-    row = cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // 32
+    row, lane = _warp_row()
     if row >= att.shape[0] * T:
         return                              # the whole warp leaves together
     r = row // T
     t = row - r * T
-    # one pass: this lane's running max and sum of exp(x - max) (online softmax), float32
-    m = numba.float32(-math.inf)
+    ninf = numba.float32(-math.inf)
+    # one pass: this lane's running max and sum of exp(x - max) (online softmax), float32; positions past
+    # the diagonal read as -inf and add exp(-inf) = 0
+    m = ninf
     s = numba.float32(0.0)
-    for t2 in range(lane, t + 1, 32):
-        x = load(preatt, (r, t, t2))          # float32 for a bf16 row: the shuffles move plain floats
-        if x > m:
-            s = s * math.exp(m - x) + numba.float32(1.0) if m != -math.inf else numba.float32(1.0)
-            m = x
-        else:
-            s += math.exp(x - m)
+    for base in range(lane, t + 1, CHUNK):
+        x0 = _at(preatt, r, t, base, t, ninf)
+        x1 = _at(preatt, r, t, base + 32, t, ninf)
+        x2 = _at(preatt, r, t, base + 64, t, ninf)
+        x3 = _at(preatt, r, t, base + 96, t, ninf)
+        mx = max(max(x0, x1), max(x2, x3))      # x0 is on or below the diagonal: mx is finite
+        if mx > m:
+            s *= math.exp(m - mx)               # rescale the sum so far to the new max (m = -inf: s = 0)
+            m = mx
+        s += (math.exp(x0 - m) + math.exp(x1 - m)) + (math.exp(x2 - m) + math.exp(x3 - m))
     # lanes combine, halving each time; lane 0 ends with the row's (max, sum) and hands it to all
     off = 16
     while off > 0:
@@ -354,32 +375,65 @@ def softmax_rows_warp_kernel(att, preatt):
         off //= 2
     m = cuda.shfl_sync(FULL_MASK, m, 0)
     inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
-    # normalise; 0 above the diagonal
-    for t2 in range(lane, T, 32):
-        store(att, (r, t, t2), math.exp(load(preatt, (r, t, t2)) - m) * inv if t2 <= t else numba.float32(0.0))
+    # normalise (the row's loads first, then the stores); 0 above the diagonal
+    for base in range(lane, T, CHUNK):
+        x0 = _at(preatt, r, t, base, t, ninf)
+        x1 = _at(preatt, r, t, base + 32, t, ninf)
+        x2 = _at(preatt, r, t, base + 64, t, ninf)
+        x3 = _at(preatt, r, t, base + 96, t, ninf)
+        store(att, (r, t, base), math.exp(x0 - m) * inv)          # exp(-inf) = 0 above the diagonal
+        if base + 32 < T:
+            store(att, (r, t, base + 32), math.exp(x1 - m) * inv)
+        if base + 64 < T:
+            store(att, (r, t, base + 64), math.exp(x2 - m) * inv)
+        if base + 96 < T:
+            store(att, (r, t, base + 96), math.exp(x3 - m) * inv)
 
 
 @cuda.jit
 def softmax_rows_backward_warp_kernel(dpreatt, datt, att):
     # as softmax_rows_backward_kernel, one warp per row. Overwrites dpreatt.
     T = att.shape[1]
-    lane = cuda.threadIdx.x % 32
-    row = cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // 32
+    row, lane = _warp_row()
     if row >= att.shape[0] * T:
         return
     r = row // T
     t = row - r * T
-    s = numba.float32(0.0)
-    for t2 in range(lane, t + 1, 32):
-        s += load(att, (r, t, t2)) * load(datt, (r, t, t2))
+    zero = numba.float32(0.0)
+    # sum over t2 <= t of att * datt (past the diagonal: 0 * 0)
+    s = zero
+    for base in range(lane, t + 1, CHUNK):
+        a0 = _at(att, r, t, base, t, zero)
+        a1 = _at(att, r, t, base + 32, t, zero)
+        a2 = _at(att, r, t, base + 64, t, zero)
+        a3 = _at(att, r, t, base + 96, t, zero)
+        d0 = _at(datt, r, t, base, t, zero)
+        d1 = _at(datt, r, t, base + 32, t, zero)
+        d2 = _at(datt, r, t, base + 64, t, zero)
+        d3 = _at(datt, r, t, base + 96, t, zero)
+        s += (a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)
     off = 16
     while off > 0:
         s += cuda.shfl_down_sync(FULL_MASK, s, off)
         off //= 2
     total = cuda.shfl_sync(FULL_MASK, s, 0)
-    for t2 in range(lane, T, 32):
-        store(dpreatt, (r, t, t2),
-              load(att, (r, t, t2)) * (load(datt, (r, t, t2)) - total) if t2 <= t else numba.float32(0.0))
+    # dpreatt = att * (datt - total) on and below the diagonal (the loads first), 0 above (not -0.0)
+    for base in range(lane, T, CHUNK):
+        a0 = _at(att, r, t, base, t, zero)
+        a1 = _at(att, r, t, base + 32, t, zero)
+        a2 = _at(att, r, t, base + 64, t, zero)
+        a3 = _at(att, r, t, base + 96, t, zero)
+        d0 = _at(datt, r, t, base, t, zero)
+        d1 = _at(datt, r, t, base + 32, t, zero)
+        d2 = _at(datt, r, t, base + 64, t, zero)
+        d3 = _at(datt, r, t, base + 96, t, zero)
+        store(dpreatt, (r, t, base), a0 * (d0 - total) if base <= t else zero)
+        if base + 32 < T:
+            store(dpreatt, (r, t, base + 32), a1 * (d1 - total) if base + 32 <= t else zero)
+        if base + 64 < T:
+            store(dpreatt, (r, t, base + 64), a2 * (d2 - total) if base + 64 <= t else zero)
+        if base + 96 < T:
+            store(dpreatt, (r, t, base + 96), a3 * (d3 - total) if base + 96 <= t else zero)
 
 
 def softmax_rows(dev, att3, pre3) -> None:
