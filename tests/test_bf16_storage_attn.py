@@ -34,7 +34,7 @@ from llmz.kernels.attention import (
 )
 from llmz.kernels.fill import fill, fill_ref, zero
 from llmz.kernels.gemm import gemm_ref, gemm_tiled
-from llmz.kernels.matmul import matmul_bias_kernel, matmul_forward, matmul_forward_ref
+from llmz.kernels.matmul import bias_grid, matmul_bias_kernel, matmul_forward, matmul_forward_ref
 from llmz.kernels.norm import MAX_BLOCK, NORM_BLOCKS, norm_squared, norm_squared_ref
 
 B, T, NH, HS = 1, 5, 2, 4            # C = 8: one block of 32 threads covers most launches; T=5 is ragged
@@ -170,9 +170,12 @@ def test_softmax_rows_block_kernels_on_bf16_are_the_float32_kernels_rounded(kdev
 
 
 # ---- matmul bias, the tiled product ----------------------------------------------------------------------
-def test_matmul_bias_kernel_on_bf16_accumulates_the_float32_kernel_rounded(kdev, rng):
-    N, OC = 3, 37                                        # OC past the 32-thread block
-    grid = (N, ceil_div(OC, kdev.block_size))
+@pytest.mark.parametrize("N", [3, 9])
+def test_matmul_bias_kernel_on_bf16_accumulates_the_float32_kernel_rounded(kdev, rng, N):
+    # OC = 37: past the 32-thread block; N = 3: fewer rows than one thread's 4, N = 9: 3 row blocks, the last
+    # thread's rows 2, 5, 8 and 11 (past the end)
+    OC = 37
+    grid = bias_grid(kdev, N, OC)
     check(kdev, matmul_bias_kernel, grid, kdev.block_size, [rand_bf16(rng, (N, OC)), rand_bf16(rng, OC)], [0])
     # a bf16 bias into a float32 out
     check(kdev, matmul_bias_kernel, grid, kdev.block_size,
@@ -303,7 +306,7 @@ def test_gemm_path_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
 @pytest.mark.gpu
 def test_matmul_bias_and_tiled_gemm_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
     N, OC = 16384, 2304
-    check(kdev, matmul_bias_kernel, (N, ceil_div(OC, kdev.block_size)), kdev.block_size,
+    check(kdev, matmul_bias_kernel, bias_grid(kdev, N, OC), kdev.block_size,
           [rand_bf16(rng, (N, OC)), rand_bf16(rng, OC)], [0], rel=REL_BF16, name="matmul bias")
     M, K = GB * GT, GC                                   # the attention projection: (4096, 768) @ (768, 768).T
     a, b, c0 = rand_bf16(rng, (M, K)), rand_bf16(rng, (GC, K)), rand_bf16(rng, (M, GC))

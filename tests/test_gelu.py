@@ -1,9 +1,16 @@
 """GELU: the kernel against the NumPy reference, the reference against finite differences."""
 import numpy as np
+import pytest
 
 from helpers import finite_diff, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.kernels.gelu import gelu_backward, gelu_backward_ref, gelu_forward, gelu_forward_ref
+from llmz.kernels.gelu import (
+    ELEMS_PER_THREAD,
+    gelu_backward,
+    gelu_backward_ref,
+    gelu_forward,
+    gelu_forward_ref,
+)
 
 
 def test_gelu_forward_kernel_matches_reference(kdev, rng):
@@ -25,6 +32,27 @@ def test_gelu_backward_kernel_matches_reference_and_accumulates(kdev, rng):
     ref = start.copy()
     gelu_backward_ref(ref, x, dout)
     assert rel_err(kdev.to_host(dinp), ref) < 1e-6
+
+
+# each thread takes ELEMS_PER_THREAD = 4 elements a grid apart: in the simulator (32-thread blocks) 5 is less
+# than one block, 300 is 3 blocks of 4 x 32 elements (384 slots) with a ragged tail, 4 x 32 + 1 one element
+# past a full block
+@pytest.mark.parametrize("n", [5, 300, ELEMS_PER_THREAD * 32 + 1])
+def test_gelu_kernels_write_every_element_when_n_is_off_the_block_grid(kdev, rng, n):
+    x = rng.normal(size=n) * 3
+    out = poisoned(kdev, n)
+    gelu_forward(kdev, out, kdev.asarray(x, np.float32))
+    ref = np.empty(n)
+    gelu_forward_ref(ref, x.astype(np.float32).astype(np.float64))
+    # float32 tanh and cubes: a few ulps per element (a NaN left by a missed element fails)
+    assert rel_err(kdev.to_host(out), ref) < 1e-6
+    dout, start = rng.normal(size=n), rng.normal(size=n)
+    dinp = kdev.asarray(start, np.float32)                        # accumulates: starts random
+    gelu_backward(kdev, dinp, kdev.asarray(x, np.float32), kdev.asarray(dout, np.float32))
+    want = start.astype(np.float32).astype(np.float64)
+    gelu_backward_ref(want, x.astype(np.float32).astype(np.float64), dout.astype(np.float32).astype(np.float64))
+    # a missed element keeps its start value: far off
+    assert rel_err(kdev.to_host(dinp), want) < 1e-6
 
 
 def test_gelu_reference_backward_matches_finite_differences(rng):

@@ -5,9 +5,11 @@ import pytest
 
 from helpers import finite_diff, poisoned, rel_err
 from llmz.kernels.matmul import (
+    bias_grid,
     gemm_tiled,
     matmul_backward,
     matmul_backward_ref,
+    matmul_bias_kernel,
     matmul_forward,
     matmul_forward_ref,
 )
@@ -42,6 +44,19 @@ def test_matmul_forward_kernel_is_exact_in_float64(kdev, rng):
     matmul_forward_ref(ref, inp, weight, bias)
     # the same sums in float64, only in another order
     assert rel_err(kdev.to_host(out), ref) < 1e-14
+
+
+# the bias kernel: each thread adds to 4 rows a grid apart, one column. N = 1: fewer rows than one thread's 4;
+# N = 9: the last thread's 4th row is past the end; OC = 37: past the 32-thread block
+@pytest.mark.parametrize("N", [1, 9])
+def test_matmul_bias_kernel_adds_the_bias_to_every_element_and_accumulates(kdev, rng, N):
+    OC = 37
+    start = rng.normal(size=(N, OC)).astype(np.float32)
+    bias = rng.normal(size=OC).astype(np.float32)
+    out = kdev.asarray(start)
+    kdev.launch(matmul_bias_kernel, bias_grid(kdev, N, OC), kdev.block_size, out, kdev.asarray(bias))
+    # one float32 add per element: bit-exact (a missed element keeps its start value)
+    np.testing.assert_array_equal(kdev.to_host(out), start + bias)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

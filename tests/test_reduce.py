@@ -83,6 +83,36 @@ def test_column_sum_kernel_gives_the_same_bits_twice(kdev, rng):
     np.testing.assert_array_equal(got[0], got[1])
 
 
+def lanes_model(x, first_row, end, lanes):
+    """The kernels' order over rows [first_row, end) of x (R,C) float64, all columns at once: lane l adds rows
+    first_row + l, + 2 lanes, ... in row order from 0.0, then the lanes are added in lane order from 0.0."""
+    s = np.zeros(x.shape[1])
+    for lane in range(lanes):
+        acc = np.zeros(x.shape[1])
+        for r in range(first_row + lane, end, lanes):
+            acc += x[r]
+        s += acc
+    return s
+
+
+# rows_per_block 37 (one chunk): 9 or 10 rows per lane (4 lanes in the simulator), so stage 1 takes the
+# eight-loads-at-a-time path and its tail; rows_per_block 1: 37 partials, 9 or 10 per lane, so stage 2 does
+@pytest.mark.parametrize("rows_per_block", [37, 1])
+def test_column_sum_kernel_adds_in_the_documented_fixed_order(kdev, rng, rows_per_block):
+    N, C = 37, 20
+    x = rng.normal(size=(N, C)) * 10 ** rng.uniform(-3, 3, size=(N, 1))   # magnitudes apart: order shows
+    start = rng.normal(size=C)
+    out = kdev.asarray(start)
+    column_sum(kdev, out, kdev.asarray(x), rows_per_block=rows_per_block)
+    # the model: stage 1 per chunk, stage 2 over the partials, both in lanes (float64 throughout)
+    _, block, R, rows = colsum_geometry(kdev, N, C, rows_per_block)
+    lanes = block[1]
+    partial = np.stack([lanes_model(x, y * rows, min((y + 1) * rows, N), lanes) for y in range(R)])
+    want = start + lanes_model(partial, 0, R, lanes)
+    # float64 adds in the same order: the same bits
+    np.testing.assert_array_equal(kdev.to_host(out), want)
+
+
 def test_colsum_geometry_covers_every_row_and_column(kdev):
     grid, block, R, rows = colsum_geometry(kdev, 37, 45)
     assert grid[0] * block[0] >= 45 and grid[1] == R and R * rows >= 37 > (R - 1) * rows

@@ -4,6 +4,7 @@ import pytest
 
 from helpers import finite_diff, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
+from llmz.kernels.gelu import ELEMS_PER_THREAD
 from llmz.kernels.residual import (
     residual_backward,
     residual_backward_ref,
@@ -37,6 +38,22 @@ def test_residual_backward_kernel_matches_reference_and_accumulates(kdev, rng):
     # one float32 add per element: bit-exact against the float32 reference
     np.testing.assert_array_equal(kdev.to_host(dinp1), ref1)
     np.testing.assert_array_equal(kdev.to_host(dinp2), ref2)
+
+
+# each thread takes ELEMS_PER_THREAD = 4 elements a grid apart: in the simulator (32-thread blocks) 5 is less
+# than one block, 300 is 3 blocks of 4 x 32 elements (384 slots) with a ragged tail, 4 x 32 + 1 one element
+# past a full block
+@pytest.mark.parametrize("n", [5, 300, ELEMS_PER_THREAD * 32 + 1])
+def test_residual_kernels_write_every_element_when_n_is_off_the_block_grid(kdev, rng, n):
+    a, b, dout, s1, s2 = (rng.normal(size=n).astype(np.float32) for _ in range(5))
+    out = poisoned(kdev, n)
+    residual_forward(kdev, out, kdev.asarray(a), kdev.asarray(b))
+    # one float32 add per element: bit-exact (a missed element stays NaN)
+    np.testing.assert_array_equal(kdev.to_host(out), a + b)
+    dinp1, dinp2 = kdev.asarray(s1), kdev.asarray(s2)            # accumulate: start random
+    residual_backward(kdev, dinp1, dinp2, kdev.asarray(dout))
+    np.testing.assert_array_equal(kdev.to_host(dinp1), s1 + dout)
+    np.testing.assert_array_equal(kdev.to_host(dinp2), s2 + dout)
 
 
 def test_residual_reference_backward_matches_finite_differences(rng):

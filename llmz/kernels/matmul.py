@@ -10,7 +10,7 @@ llm.c's dev/cuda/matmul_forward.cu, so both products share it (and a Numba kerne
 None for an absent bias); the bias gradient is a deterministic two-stage column sum (llmz.kernels.reduce).
 
 Arrays may be float32, float64 or uint16 (bf16 bits, computed in float32, results rounded to nearest): the
-bias kernel reads and writes through llmz.kernels.bf16's load / store_add; the references go through
+bias kernel reads and writes through llmz.kernels.bf16's load / store; the references go through
 llmz.bf16.run_in_f32.
 """
 import numpy as np
@@ -18,7 +18,8 @@ from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
-from .bf16 import load, store_add
+from .bf16 import load, store
+from .gelu import ELEMS_PER_THREAD, loads_barrier
 from .gemm import TILE, gemm, gemm_tiled  # noqa: F401  (TILE, gemm_tiled: the teaching kernel, tested here)
 from .reduce import column_sum
 
@@ -57,12 +58,39 @@ def matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight):
 # ---- Numba kernels (the products themselves are llmz.kernels.gemm) --------------------------------
 @cuda.jit
 def matmul_bias_kernel(out, bias):
-    # out (N,OC) += bias (OC,), broadcast over rows. Block (row, j): columns j*blockDim + tid of one row.
-    # Accumulates (+=) into out.
-    row = cuda.blockIdx.x
+    """out (N,OC) += bias (OC,), broadcast over rows. Grid (ceil(N/4), ceil(OC/blockDim)), see bias_grid:
+    thread (r, oc) takes rows r, r+S, r+2S, r+3S (S = gridDim.x) of column oc, all loads issued before the
+    stores (ELEMS_PER_THREAD = 4 as in llmz.kernels.gelu; the row is the block's, no division). Accumulates
+    (+=) into out. (One element per thread, bf16, d12 B=16 T=1024 on the H200: 434 GB/s.)"""
+    N, OC = out.shape
     oc = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if oc < out.shape[1]:
-        store_add(out, (row, oc), load(bias, oc))
+    S = cuda.gridDim.x
+    r0 = cuda.blockIdx.x
+    r1, r2, r3 = r0 + S, r0 + 2 * S, r0 + 3 * S
+    # the loads first, independent, all in flight at once: the bias once, then the four rows of out (a row
+    # or column past the end reads row N-1 or column OC-1, valid addresses, and is never stored)
+    c, last = min(oc, OC - 1), N - 1
+    b = load(bias, c)
+    o0 = load(out, (min(r0, last), c))
+    o1 = load(out, (min(r1, last), c))
+    o2 = load(out, (min(r2, last), c))
+    o3 = load(out, (min(r3, last), c))
+    loads_barrier()
+    # out += bias, the elements inside the array
+    if oc < OC:
+        if r0 < N:
+            store(out, (r0, oc), o0 + b)
+        if r1 < N:
+            store(out, (r1, oc), o1 + b)
+        if r2 < N:
+            store(out, (r2, oc), o2 + b)
+        if r3 < N:
+            store(out, (r3, oc), o3 + b)
+
+
+def bias_grid(dev, N: int, OC: int) -> tuple:
+    """matmul_bias_kernel's grid for out (N,OC), blocks of dev.block_size threads."""
+    return ceil_div(N, ELEMS_PER_THREAD), ceil_div(OC, dev.block_size)
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
@@ -76,7 +104,7 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
     gemm(dev, out2, inp.reshape(-1, C), weight, False, True, False)
     # out += bias
     if bias is not None:
-        dev.launch(matmul_bias_kernel, (out2.shape[0], ceil_div(OC, dev.block_size)), dev.block_size, out2, bias)
+        dev.launch(matmul_bias_kernel, bias_grid(dev, out2.shape[0], OC), dev.block_size, out2, bias)
 
 
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight) -> None:
