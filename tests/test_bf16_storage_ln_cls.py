@@ -12,7 +12,7 @@ and in float32 where the kernels sum in float64."""
 import numpy as np
 import pytest
 from test_bf16_storage import NAN_BF16, assert_rounded_float32, assert_within_one_step, poisoned_bf16
-from test_layernorm import make_inputs, warp_geometry, wdev  # noqa: F401  (wdev: the emulated-shuffle fixture)
+from test_layernorm import WARP_KERNELS, make_inputs, warp_geometry, wdev  # noqa: F401  (wdev: emulated shuffles)
 
 from helpers import rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
@@ -28,11 +28,9 @@ from llmz.kernels.classifier import (
 )
 from llmz.kernels.layernorm import (
     layernorm_backward,
-    layernorm_backward_inp_warp_kernel,
     layernorm_backward_ref,
     layernorm_forward,
     layernorm_forward_ref,
-    layernorm_forward_warp_kernel,
 )
 
 
@@ -133,12 +131,15 @@ def test_layernorm_backward_kernels_on_bf16_are_the_rounded_float32_kernels_and_
         assert_within_one_step(g, r, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape", [(7, 45)])        # odd rows: the last block's second warp has no row
-def test_layernorm_warp_kernels_on_bf16_are_the_rounded_float32_kernels(wdev, rng, shape):  # noqa: F811
+# odd rows: the last block's second warp has no row; the register kernels (C <= 1024) and the loop kernels
+@pytest.mark.parametrize("kind", ["registers", "loop"])
+@pytest.mark.parametrize("shape", [(7, 45)])
+def test_layernorm_warp_kernels_on_bf16_are_the_rounded_float32_kernels(wdev, rng, shape, kind):  # noqa: F811
+    forward_kernel, backward_kernel = WARP_KERNELS[kind]
     inp, weight, bias = ln_inputs(rng, shape)
     geometry = warp_geometry(wdev, shape[0])
     got, want32 = ln_forward_both(wdev, inp, weight, bias,
-                                  lambda *a: wdev.launch(layernorm_forward_warp_kernel, *geometry, *a))
+                                  lambda *a: wdev.launch(forward_kernel, *geometry, *a))
     assert_ln_forward(got, want32, inp, weight, bias)
     # backward, rows part: accumulates into dinp (random start)
     mean, rstd = ln_stats(inp, weight, bias)
@@ -146,7 +147,7 @@ def test_layernorm_warp_kernels_on_bf16_are_the_rounded_float32_kernels(wdev, rn
     outs = []
     for conv in (lambda a: a, widen):
         dinp = wdev.asarray(conv(dinp0))
-        wdev.launch(layernorm_backward_inp_warp_kernel, *geometry, dinp,
+        wdev.launch(backward_kernel, *geometry, dinp,
                     *(wdev.asarray(conv(a)) for a in (dout, inp, weight)), wdev.asarray(mean), wdev.asarray(rstd))
         outs.append(wdev.to_host(dinp))
     np.testing.assert_array_equal(outs[0], f32_to_bf16(outs[1]))
@@ -271,9 +272,10 @@ def assert_float32_close(name, got, want, rel=1e-6):
     assert err.max() <= rel
 
 
+# d12's rows and channels (the register kernels), and d48's channels (the loop kernels, C > 1024)
 @pytest.mark.gpu
-def test_layernorm_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
-    N, C = SIZES["N"], SIZES["C"]
+@pytest.mark.parametrize("N, C", [(SIZES["N"], SIZES["C"]), (4096, 1600)])
+def test_layernorm_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng, N, C):
     inp, weight, bias = ln_inputs(rng, (N, C))
     (out, mean, rstd), (out32, mean32, rstd32) = ln_forward_both(kdev, inp, weight, bias,
                                                                  lambda *a: layernorm_forward(kdev, *a))

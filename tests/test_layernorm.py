@@ -1,5 +1,6 @@
 """LayerNorm: the kernels against the NumPy reference, the reference against finite differences. The fast
-warp-per-row kernels (GPU only in the layer) run in the simulator too, with an emulated warp shuffle."""
+warp-per-row kernels (GPU only in the layer: the register kernels up to C = 1024, the loop kernels above) run in
+the simulator too, with an emulated warp shuffle; the dweight/dbias kernels (both paths) at odd geometries."""
 import sys
 import threading
 import time
@@ -10,15 +11,23 @@ import pytest
 from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
 from llmz.device import ceil_div
 from llmz.kernels.layernorm import (
+    MAX_PER_LANE,
+    ROWS_IN_FLIGHT,
     WARP,
     layernorm_backward,
     layernorm_backward_inp_warp_kernel,
+    layernorm_backward_inp_warp_loop_kernel,
+    layernorm_backward_params_final_kernel,
+    layernorm_backward_params_partial_kernel,
     layernorm_backward_ref,
     layernorm_forward,
     layernorm_forward_ref,
     layernorm_forward_warp_kernel,
+    layernorm_forward_warp_loop_kernel,
+    warp_kernels,
     warp_rows_geometry,
 )
+from llmz.kernels.reduce import colsum_geometry
 
 
 def make_inputs(rng, shape):
@@ -87,6 +96,32 @@ def test_layernorm_backward_kernel_gives_the_same_bits_twice(kdev, rng):
         got.append([kdev.to_host(g) for g in grads])
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
+
+
+# the two dweight/dbias stages alone, at geometries the layer does not pick. In the simulator (4 lanes):
+# (90, 40, 40): two strips (the second 8 channels wide), 3 row chunks (the last 10 rows), 10 rows a thread in
+# stage 1 (a full batch of ROWS_IN_FLIGHT=8, then a partial one); (72, 20, 8): one partial strip, 2 rows a thread
+# (a partial batch), 9 partial sums for stage 2's 4 lanes (3, 2, 2, 2)
+@pytest.mark.parametrize("N, C, rows_per_block", [(90, 40, 40), (72, 20, 8)])
+def test_layernorm_params_kernels_match_reference_in_row_batches(kdev, rng, N, C, rows_per_block):
+    inp, weight, bias = make_inputs(rng, (N, C))
+    _, mean, rstd = forward64(inp, weight, bias)
+    dout = rng.normal(size=(N, C))
+    dweight0, dbias0 = rng.normal(size=C), rng.normal(size=C)      # accumulates: random non-zero starts
+    inp, mean, rstd, dout = (a.astype(np.float32) for a in (inp, mean, rstd, dout))
+    grid, block, R, rows = colsum_geometry(kdev, N, C, rows_per_block)
+    assert R == ceil_div(N, rows_per_block) > 1 and ROWS_IN_FLIGHT == 8    # the batches counted above
+    part_w, part_b = poisoned(kdev, (R, C), np.float64), poisoned(kdev, (R, C), np.float64)
+    dweight, dbias = kdev.asarray(dweight0, np.float32), kdev.asarray(dbias0, np.float32)
+    kdev.launch(layernorm_backward_params_partial_kernel, grid, block, part_w, part_b,
+                *(kdev.asarray(a) for a in (dout, inp, mean, rstd)), rows)
+    kdev.launch(layernorm_backward_params_final_kernel, grid[0], block, dweight, dbias, part_w, part_b)
+    want = [np.zeros((N, C)), dweight0.copy(), dbias0.copy()]
+    layernorm_backward_ref(*want, *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
+    # each batch of 8 rows summed in float32, the batches, lanes and chunks in float64; float32 norm * dout and
+    # the float32 store: a few ulps
+    assert rel_err(kdev.to_host(dweight), want[1]) < 1e-6
+    assert rel_err(kdev.to_host(dbias), want[2]) < 1e-6
 
 
 def test_layernorm_reference_backward_matches_finite_differences(rng):
@@ -179,47 +214,89 @@ def wdev(kdev, monkeypatch):
 def warp_geometry(dev, rows):
     """The layer's geometry on a GPU; in the simulator 2 warps per block (few threads, and a last block whose
     second warp has no row when rows is odd)."""
-    return warp_rows_geometry(dev, rows) if dev.kind == "gpu" else (ceil_div(rows, 2), 2 * WARP)
+    return warp_rows_geometry(rows) if dev.kind == "gpu" else (ceil_div(rows, 2), 2 * WARP)
 
 
-# (6,20): C below one warp's 32 lanes; (37,45): odd rows (a warp with no row) and C not a multiple of 32
-@pytest.mark.parametrize("shape", [(6, 20), (37, 45)])
-def test_layernorm_forward_warp_kernel_matches_reference(wdev, rng, shape):
+# (forward, backward rows) kernels: registers (the layer's for C <= 32 * MAX_PER_LANE), loop (above)
+WARP_KERNELS = {"registers": (layernorm_forward_warp_kernel, layernorm_backward_inp_warp_kernel),
+                "loop": (layernorm_forward_warp_loop_kernel, layernorm_backward_inp_warp_loop_kernel)}
+# (6,20): C below one warp's 32 lanes; (37,45): odd rows (a warp with no row) and C % 32 != 0; (3,80): a lane's
+# third register slot filled in some lanes only; (3,1024): every slot of every lane (C = 32 * MAX_PER_LANE)
+WARP_SHAPES = [(6, 20), (37, 45), (3, 80), (3, 1024)]
+WARP_CASES = [pytest.param(kind, shape, id=f"{kind}-{shape[0]}x{shape[1]}")
+              for kind, shape in [(k, s) for k in WARP_KERNELS for s in WARP_SHAPES] + [("loop", (3, 1600))]]
+
+
+def test_layer_picks_the_register_kernels_up_to_1024_channels():
+    assert MAX_PER_LANE * WARP == 1024
+    for C in (20, 45, 768, 1024):
+        assert warp_kernels(C) == WARP_KERNELS["registers"]
+    for C in (1025, 1280, 1600):
+        assert warp_kernels(C) == WARP_KERNELS["loop"]
+
+
+@pytest.mark.parametrize("kind, shape", WARP_CASES)
+def test_layernorm_forward_warp_kernel_matches_reference(wdev, rng, kind, shape):
     inp, weight, bias = (a.astype(np.float32) for a in make_inputs(rng, shape))
     out, mean, rstd = poisoned(wdev, shape), poisoned(wdev, shape[:1]), poisoned(wdev, shape[:1])
-    wdev.launch(layernorm_forward_warp_kernel, *warp_geometry(wdev, shape[0]), out, mean, rstd,
+    wdev.launch(WARP_KERNELS[kind][0], *warp_geometry(wdev, shape[0]), out, mean, rstd,
                 *(wdev.asarray(a) for a in (inp, weight, bias)))
     ref = forward64(*(a.astype(np.float64) for a in (inp, weight, bias)))
-    # float64 sums as in the block kernel (another order); float32 inputs' products and stores: a few ulps
+    # registers: each lane's <= 32 values summed in float32, the lanes in float64 (the loop kernel: float64
+    # throughout); float32 inputs' products and stores: a few ulps
     for got, want in zip((out, mean, rstd), ref):
         assert rel_err(wdev.to_host(got), want) < 1e-6
 
 
-@pytest.mark.parametrize("shape", [(6, 20), (37, 45)])
-def test_layernorm_backward_warp_kernel_matches_reference_and_accumulates(wdev, rng, shape):
+@pytest.mark.parametrize("kind, shape", WARP_CASES)
+def test_layernorm_backward_warp_kernel_matches_reference_and_accumulates(wdev, rng, kind, shape):
     inp, weight, bias = make_inputs(rng, shape)
     _, mean, rstd = forward64(inp, weight, bias)
     dout = rng.normal(size=shape)
     dinp0 = rng.normal(size=shape)                        # accumulates: starts from random non-zero values
     inp, weight, mean, rstd, dout = (a.astype(np.float32) for a in (inp, weight, mean, rstd, dout))
     dinp = wdev.asarray(dinp0, np.float32)
-    wdev.launch(layernorm_backward_inp_warp_kernel, *warp_geometry(wdev, shape[0]), dinp,
+    wdev.launch(WARP_KERNELS[kind][1], *warp_geometry(wdev, shape[0]), dinp,
                 *(wdev.asarray(a) for a in (dout, inp, weight, mean, rstd)))
     want = dinp0.copy()
     layernorm_backward_ref(want, np.zeros(shape[1]), np.zeros(shape[1]),
                            *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
-    # float64 sums; float32 products (weight*dout, norm) and the float32 store: a few ulps per element
+    # lane sums in float32 (registers) or float64 (loop); float32 products (weight*dout, norm) and the float32
+    # store: a few ulps per element
     assert rel_err(wdev.to_host(dinp), want) < 1e-6
 
 
-# (16384,768): d12's B*T rows at B=16; (37,45): odd rows, a block with warps past the last row, C % 32 != 0
+def test_layernorm_register_kernels_and_params_kernels_keep_float64_inputs_in_float64(wdev, rng):
+    shape = (5, 45)
+    inp, weight, bias = make_inputs(rng, shape)
+    dout, dinp0, dweight0, dbias0 = (rng.normal(size=s) for s in (shape, shape, 45, 45))
+    forward_kernel, backward_kernel = WARP_KERNELS["registers"]
+    geometry = warp_geometry(wdev, shape[0])
+    out, mean, rstd = poisoned(wdev, shape, np.float64), poisoned(wdev, 5, np.float64), poisoned(wdev, 5, np.float64)
+    wdev.launch(forward_kernel, *geometry, out, mean, rstd, *(wdev.asarray(a, np.float64) for a in (inp, weight, bias)))
+    ref = forward64(inp, weight, bias)
+    # backward: the register kernel for dinp, the layer's two stages for dweight, dbias, all from random starts
+    grads = [wdev.asarray(a, np.float64) for a in (dinp0, dweight0, dbias0)]
+    args = [wdev.asarray(a, np.float64) for a in (dout, inp, weight, ref[1], ref[2])]
+    wdev.launch(backward_kernel, *geometry, grads[0], *args)
+    layernorm_backward(wdev, wdev.asarray(np.zeros(shape)), *grads[1:], *args)
+    want = [dinp0.copy(), dweight0.copy(), dbias0.copy()]
+    layernorm_backward_ref(*want, dout, inp, weight, ref[1], ref[2])
+    # the compute dtype follows the arrays: float64 sums and products, other orders than NumPy's
+    for got, r in zip((out, mean, rstd, *grads), (*ref, *want)):
+        assert rel_err(wdev.to_host(got), r) < 1e-13
+
+
+# (16384,768): d12's B*T rows at B=16 (the register kernels); (37,45): odd rows, a block with warps past the
+# last row, C % 32 != 0; (4096,80): C % 32 != 0, lanes with 2 or 3 channels; (4096,1024): every register slot;
+# (4096,1600): d48's C, the loop kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("N, C", [(16384, 768), (37, 45)])
+@pytest.mark.parametrize("N, C", [(16384, 768), (37, 45), (4096, 80), (4096, 1024), (4096, 1600)])
 def test_layernorm_warp_kernels_match_float64_reference_and_repeat_bits_on_gpu(kdev, rng, N, C):
     inp, weight, bias = (a.astype(np.float32) for a in make_inputs(rng, (N, C)))
     dout = rng.normal(size=(N, C)).astype(np.float32)
     x, w, b, dy = (kdev.asarray(a) for a in (inp, weight, bias, dout))
-    # forward through the layer (the warp kernel on a GPU), twice into NaN-poisoned outputs
+    # forward through the layer (the warp kernels on a GPU), twice into NaN-poisoned outputs
     runs = []
     for _ in range(2):
         out, mean, rstd = poisoned(kdev, (N, C)), poisoned(kdev, N), poisoned(kdev, N)
@@ -243,17 +320,27 @@ def test_layernorm_warp_kernels_match_float64_reference_and_repeat_bits_on_gpu(k
     errs.update({name: rel_err(a, r) for name, a, r in zip(("dinp", "dweight", "dbias"), grads[0], want)})
     for a, b2 in zip(*grads):
         np.testing.assert_array_equal(a, b2)
-    # time each warp kernel alone
-    grid, block = warp_rows_geometry(kdev, N)
-    ms_f = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_forward_warp_kernel, grid, block,
-                                                     out, mean, rstd, x, w, b))
+    # time each kernel alone: the layer's warp kernels, then the two dweight/dbias stages
+    forward_kernel, backward_kernel = warp_kernels(C)
+    grid, block = warp_rows_geometry(N)
+    ms_f = gpu_ms_per_call(kdev, lambda: kdev.launch(forward_kernel, grid, block, out, mean, rstd, x, w, b))
     dinp = kdev.asarray(starts[0])
-    ms_b = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_inp_warp_kernel, grid, block,
-                                                     dinp, dy, x, w, mean, rstd))
+    ms_b = gpu_ms_per_call(kdev, lambda: kdev.launch(backward_kernel, grid, block, dinp, dy, x, w, mean, rstd))
+    pgrid, pblock, R, rows = colsum_geometry(kdev, N, C)
+    part_w, part_b = kdev.zeros((R, C), np.float64), kdev.zeros((R, C), np.float64)
+    dweight, dbias = kdev.asarray(starts[1]), kdev.asarray(starts[2])
+    ms_p1 = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_params_partial_kernel, pgrid, pblock,
+                                                      part_w, part_b, dy, x, mean, rstd, rows))
+    ms_p2 = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_params_final_kernel, pgrid[0], pblock,
+                                                      dweight, dbias, part_w, part_b))
     gb_f = (2 * N * C * 4) / ms_f / 1e6                 # read inp once from DRAM, write out
     gb_b = (4 * N * C * 4) / ms_b / 1e6                 # read dout, inp, dinp; write dinp
-    print(f"layernorm warp kernels N={N} C={C}: worst relative error {max(errs.values()):.2e} {errs}; "
-          f"forward {ms_f:.4f} ms ({gb_f:.0f} GB/s), backward dinp {ms_b:.4f} ms ({gb_b:.0f} GB/s) per call")
-    # float64 sums, float32 inputs and stores: a few ulps per element (dweight, dbias: 16384-row sums in
-    # float64, still a few ulps); 1e-6 leaves a margin of ~20x over the teaching kernels' measured 4.9e-8
+    gb_p = (2 * N * C * 4) / ms_p1 / 1e6                # read dout, inp
+    print(f"layernorm warp kernels N={N} C={C} ({forward_kernel.py_func.__name__}): worst relative error "
+          f"{max(errs.values()):.2e} {errs}; forward {ms_f:.4f} ms ({gb_f:.0f} GB/s), backward dinp {ms_b:.4f} ms "
+          f"({gb_b:.0f} GB/s), dweight/dbias stage 1 {ms_p1:.4f} ms ({gb_p:.0f} GB/s), stage 2 {ms_p2:.4f} ms "
+          f"({R} partials) per call")
+    # lane sums in float32 over <= 32 values then float64 (registers; float64 throughout in the loop kernels),
+    # float32 inputs and stores: a few ulps per element (a NumPy model of the register kernels at d12's size:
+    # 6e-8); dweight, dbias: batches of 8 rows in float32, then float64; 1e-6 leaves a wide margin
     assert max(errs.values()) < 1e-6

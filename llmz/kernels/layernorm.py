@@ -11,38 +11,68 @@ Kernels (the teaching versions):
   backward, rows   one block per row; two shared-memory reductions (the two means above), then dinp += ...
   backward, params two stages (reduce.py's column-sum pattern): stage 1, grid (ceil(C/32), ceil(N/256)),
                    each block sums norm*dout and dout over a chunk of rows for a strip of 32 channels into two
-                   float64 (R,C) scratch buffers; stage 2, one thread per channel adds the R partials in order.
-                   It replaced one thread per channel looping over all N rows (only C threads in flight).
+                   float64 (R,C) scratch buffers; stage 2, the same blocks over the R partials, each lane adding
+                   its partials in order, then the lanes in order (reduce.sum_rows, lanes_in_order).
+                   Stage 1's threads load ROWS_IN_FLIGHT = 8 rows (inp, dout, mean, rstd) before adding them
+                   (the batch in the compute dtype, the batches in float64); before, one load then one add per
+                   row waited a memory latency per row, and stage 2 was one thread per channel over all R
+                   partials (d12 bf16, 25 calls a step: stage 1 2.18 ms, stage 2 1.28 ms; after: not measured yet).
 Fast versions, GPU only (the simulator has no warp shuffles; it runs the teaching versions above):
-  forward, warp    one WARP per row, blockDim/32 rows per block: the same three passes (mean, variance,
-                   write), each row-sum a butterfly of warp shuffles instead of a shared-memory tree with a
-                   __syncthreads per level; the re-reads of the row hit L1. Replaces 256 threads with 3
-                   channels each at C=768 (before: 5.07 ms per d12 step for 25 calls, ~500 GB/s).
-  backward, warp   the rows part the same way, both means in one read of the row (before: 4.55 ms, ~830 GB/s).
-Sums are accumulated in float64 (registers and shared memory) whatever the input dtype; the block's
-threads are summed in a fixed order (norm.block_sum's tree, reduce.strip_partial's lanes, warp_sum's
-butterfly): deterministic.
+  forward, warp    one WARP per row, 4 rows per block, the row held in registers: lane l loads channels l, l+32,
+                   ... (at most MAX_PER_LANE = 32 of them: C <= 1024) into a local array the compiler keeps in
+                   registers, every load issued before any arithmetic (one memory latency per row); the mean,
+                   the variance (two passes, exact) and the write then read the registers. Each lane sums its
+                   <= 32 values in the compute dtype, the 32 lanes add in float64 (a butterfly of shuffles):
+                   float64 per element would cost a float32->float64 conversion per element and sum, and the
+                   H200 converts at 1/8 of its float32 rate; a NumPy model of these sums at d12's size keeps
+                   out, mean, rstd and dinp within 6e-8 of float64 (relative), as the float64 sums did.
+                   Replaces the loop kernel below: three strided passes with one load (and one memory latency)
+                   per iteration and float64 arithmetic per element (25 calls a d12 bf16 step: 4.52 ms,
+                   279 GB/s; after: not measured yet).
+  backward, warp   the rows part the same way: inp, dout and dinp (accumulated) held in registers (before:
+                   3.36 ms, 563 GB/s; after: not measured yet).
+  forward/backward, warp loop   C > 1024 (d36, d48): the first warp kernels, three (two) strided passes over
+                   the row, the re-reads from L1, float64 sums. They replaced one 256-thread block per row, 3
+                   channels a thread at C=768 (d12 fp32, 25 calls: forward 5.07 ms, backward 4.55 ms).
+Sums are deterministic: the block's threads are summed in a fixed order (norm.block_sum's tree,
+reduce.strip_partial's lanes, warp_sum's butterfly), each thread's values in index order.
 
 inp, out, dinp, dout, weight, bias, dweight, dbias are float32, float64 or uint16 (bf16 bits, computed in
 float32, results rounded to nearest), each on its own: the kernels read and write them through
 llmz.kernels.bf16's load / store / store_add. mean and rstd are statistics: they keep the dtype they are given
-(float32 beside bf16 activations), read and written directly, as are the float64 partial sums.
+(float32 beside bf16 activations), read and written directly, as are the float64 partial sums. The compute
+dtype (as_compute) is float32 beside float32 and bf16 arrays, float64 beside float64 ones.
 """
 import math
 
 import numba
 import numpy as np
-from numba import cuda
+from numba import cuda, types
+from numba.cuda.extending import overload
 
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .bf16 import load, store, store_add
 from .norm import MAX_BLOCK, block_sum
-from .reduce import COLSUM_STRIP, MAX_LANES, colsum_geometry, stage_rows, strip_partial, sum_partials
+from .reduce import (
+    COLSUM_STRIP,
+    MAX_LANES,
+    colsum_geometry,
+    lanes_in_order,
+    stage_rows,
+    strip_partial,
+    sum_rows,
+)
 
 LN_EPS = 1e-5
 WARP = 32                   # threads per warp: the fast kernels give each row one warp
 FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in the shuffle
+# the register kernels: channels per lane (C <= 32 * 32 = 1024: d12, d24), warps (rows) per block
+MAX_PER_LANE = 32
+WARPS_PER_BLOCK = 4
+# rows a stage-1 thread of the dweight/dbias kernels loads before adding them (reduce.sum_rows, which stage 2
+# uses, loads 8 at a time too)
+ROWS_IN_FLIGHT = 8
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -86,6 +116,19 @@ def layernorm_backward_ref(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
+def as_compute(a, v):
+    """v as the float type the kernels compute in beside array a: float64 for float64 arrays, float32 for
+    float32 and bf16 (uint16) ones. Picked per dtype like llmz.kernels.bf16's load (compile time on the GPU)."""
+    return np.float64(v) if a.dtype == np.float64 else np.float32(v)
+
+
+@overload(as_compute, target="cuda")
+def _as_compute_cuda(a, v):
+    if a.dtype == types.float64:
+        return lambda a, v: np.float64(v)
+    return lambda a, v: np.float32(v)
+
+
 @cuda.jit
 def layernorm_forward_kernel(out, mean, rstd, inp, weight, bias):
     """inp, out: (N,C); mean, rstd: (N,); weight, bias: (C,). One block per row. Overwrites out, mean, rstd."""
@@ -162,16 +205,33 @@ def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rs
     [32x, 32x+32). Overwrites part_w[y], part_b[y] there."""
     N, C = inp.shape
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    x = cuda.local.array(ROWS_IN_FLIGHT, inp.dtype)
+    g = cuda.local.array(ROWS_IN_FLIGHT, dout.dtype)
+    m = cuda.local.array(ROWS_IN_FLIGHT, mean.dtype)
+    s = cuda.local.array(ROWS_IN_FLIGHT, rstd.dtype)
     c, first, end, step = stage_rows(N, rows_per_block)
-    acc_w = 0.0
-    acc_b = 0.0
+    acc_w = np.float64(0.0)
+    acc_b = np.float64(0.0)
     if c < C:
-        for row in range(first, end, step):
-            # dbias: sum of dout; dweight: sum of norm * dout
-            norm = (load(inp, (row, c)) - mean[row]) * rstd[row]
-            g = load(dout, (row, c))
-            acc_w += norm * g
-            acc_b += g
+        for row0 in range(first, end, step * ROWS_IN_FLIGHT):
+            # this thread's next ROWS_IN_FLIGHT rows: every load before any add
+            for u in range(ROWS_IN_FLIGHT):
+                row = row0 + u * step
+                if row < end:
+                    x[u] = inp[row, c]
+                    g[u] = dout[row, c]
+                    m[u] = mean[row]
+                    s[u] = rstd[row]
+            # dweight: sum of norm * dout; dbias: sum of dout (the batch in the compute dtype, then float64)
+            bw = as_compute(inp, 0)
+            bb = as_compute(inp, 0)
+            for u in range(ROWS_IN_FLIGHT):
+                if row0 + u * step < end:
+                    gu = load(g, u)
+                    bw += (load(x, u) - m[u]) * s[u] * gu
+                    bb += gu
+            acc_w += bw
+            acc_b += bb
     # the block's lanes, in order
     strip_partial(buf, acc_w, part_w, c)
     strip_partial(buf, acc_b, part_b, c)
@@ -179,12 +239,24 @@ def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rs
 
 @cuda.jit
 def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
-    """dweight, dbias: (C,); part_w, part_b: (R,C) float64. Stage 2, one thread per channel, the R chunks
-    summed in order. Accumulates (+=) into dweight, dbias."""
-    c = cuda.grid(1)
-    if c < dweight.shape[0]:
-        store_add(dweight, c, sum_partials(part_w, c))
-        store_add(dbias, c, sum_partials(part_b, c))
+    """dweight, dbias: (C,); part_w, part_b: (R,C) float64. Stage 2, grid ceil(C/32), block (32, lanes), as
+    reduce.column_sum_final_kernel: lane y adds partial rows y, y+lanes, ... in order, then the lanes are added
+    in order. Accumulates (+=) into dweight, dbias."""
+    R, C = part_w.shape
+    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    # this lane's partial sums of both
+    acc_w = np.float64(0.0)
+    acc_b = np.float64(0.0)
+    if c < C:
+        acc_w = sum_rows(part_w, c, cuda.threadIdx.y, R, cuda.blockDim.y)
+        acc_b = sum_rows(part_b, c, cuda.threadIdx.y, R, cuda.blockDim.y)
+    # the lanes, in order; lane 0 adds them into dweight[c], dbias[c]
+    s_w = lanes_in_order(buf, acc_w)
+    s_b = lanes_in_order(buf, acc_b)
+    if cuda.threadIdx.y == 0 and c < C:
+        store_add(dweight, c, s_w)
+        store_add(dbias, c, s_b)
 
 
 # ---- fast Numba kernels, GPU only: one warp per row --------------------------------------------
@@ -203,15 +275,103 @@ def warp_sum(v):
 @cuda.jit(device=True)
 def warp_row():
     """(row, lane) of this thread: warp w of block b takes row b * (blockDim/32) + w. The warps past the last
-    row leave as a whole warp, so no shuffle ever misses a lane."""
+    row leave as a whole warp, so no shuffle ever misses a lane. The lane is tid & 31 (= tid % 32): the
+    compiler then knows it is never negative and drops the negative-index test from every row[lane + 32k]."""
     tid = cuda.threadIdx.x
-    return cuda.blockIdx.x * (cuda.blockDim.x // WARP) + tid // WARP, tid % WARP
+    return cuda.blockIdx.x * (cuda.blockDim.x // WARP) + tid // WARP, tid & (WARP - 1)
 
 
 @cuda.jit
 def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
-    """inp, out: (N,C); mean, rstd: (N,); weight, bias: (C,). One warp per row, blockDim/32 rows per block.
-    Overwrites out, mean, rstd."""
+    """inp, out: (N,C), C <= 32 * MAX_PER_LANE; mean, rstd: (N,); weight, bias: (C,). One warp per row, the
+    row in registers: lane l holds channels l + 32k in x[k]. Overwrites out, mean, rstd."""
+    N, C = inp.shape
+    row, lane = warp_row()
+    if row >= N:
+        return
+    x_row = inp[row]
+    out_row = out[row]
+    # read the row once, every load issued before any arithmetic (the slots past C hold 0)
+    x = cuda.local.array(MAX_PER_LANE, inp.dtype)
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            x[k] = x_row[i]
+        else:
+            x[k] = 0
+    # the mean over channels: the lane's sum, then the warp's float64 butterfly
+    acc = as_compute(inp, 0)
+    for k in range(MAX_PER_LANE):
+        acc += load(x, k)
+    m = warp_sum(np.float64(acc)) / C
+    mc = as_compute(inp, m)
+    # the biased variance, a second pass over the registers
+    acc = as_compute(inp, 0)
+    for k in range(MAX_PER_LANE):
+        if lane + k * WARP < C:
+            d = load(x, k) - mc
+            acc += d * d
+    s = 1.0 / math.sqrt(warp_sum(np.float64(acc)) / C + LN_EPS)
+    sc = as_compute(inp, s)
+    # normalize, then scale and shift
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            store(out_row, i, (load(x, k) - mc) * sc * load(weight, i) + load(bias, i))
+    # cache for backward
+    if lane == 0:
+        mean[row] = m
+        rstd[row] = s
+
+
+@cuda.jit
+def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
+    """dinp, dout, inp: (N,C), C <= 32 * MAX_PER_LANE; weight: (C,); mean, rstd: (N,). One warp per row, the
+    rows of inp, dout and dinp in registers as in the forward. Accumulates (+=) into dinp."""
+    N, C = inp.shape
+    row, lane = warp_row()
+    if row >= N:
+        return
+    x_row = inp[row]
+    g_row = dout[row]
+    dx_row = dinp[row]
+    # read the three rows once, every load issued before any arithmetic
+    x = cuda.local.array(MAX_PER_LANE, inp.dtype)
+    g = cuda.local.array(MAX_PER_LANE, dout.dtype)
+    dx = cuda.local.array(MAX_PER_LANE, dinp.dtype)
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            x[k] = x_row[i]
+            g[k] = g_row[i]
+            dx[k] = dx_row[i]
+    m = as_compute(inp, mean[row])
+    s = as_compute(inp, rstd[row])
+    # the two means over the row, of dnorm = weight * dout and of dnorm * norm: lane sums, two butterflies
+    acc_d = as_compute(inp, 0)
+    acc_dn = as_compute(inp, 0)
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            norm = (load(x, k) - m) * s
+            dnorm = load(weight, i) * load(g, k)
+            acc_d += dnorm
+            acc_dn += dnorm * norm
+    dnorm_mean = as_compute(inp, warp_sum(np.float64(acc_d)) / C)
+    dnorm_norm_mean = as_compute(inp, warp_sum(np.float64(acc_dn)) / C)
+    # the input gradient, added to dinp's registers (store_add's arithmetic)
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            norm = (load(x, k) - m) * s
+            dnorm = load(weight, i) * load(g, k)
+            store(dx_row, i, load(dx, k) + s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
+
+
+@cuda.jit
+def layernorm_forward_warp_loop_kernel(out, mean, rstd, inp, weight, bias):
+    """As layernorm_forward_warp_kernel for any C (the layer uses it for C > 32 * MAX_PER_LANE): three strided
+    passes over the row (the second and third from L1), float64 sums. Overwrites out, mean, rstd."""
     N, C = inp.shape
     row, lane = warp_row()
     if row >= N:
@@ -237,9 +397,9 @@ def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
 
 
 @cuda.jit
-def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
-    """dinp, dout, inp: (N,C); weight: (C,); mean, rstd: (N,). One warp per row, blockDim/32 rows per block.
-    Accumulates (+=) into dinp."""
+def layernorm_backward_inp_warp_loop_kernel(dinp, dout, inp, weight, mean, rstd):
+    """As layernorm_backward_inp_warp_kernel for any C: two strided passes, float64 sums. Accumulates (+=)
+    into dinp."""
     N, C = inp.shape
     row, lane = warp_row()
     if row >= N:
@@ -263,9 +423,18 @@ def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
         store_add(dinp, (row, i), s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
 
 
-def warp_rows_geometry(dev, rows: int) -> tuple[int, int]:
-    """(grid, block) of the warp-per-row kernels: dev.block_size threads = block_size/32 rows per block."""
-    return ceil_div(rows, dev.block_size // WARP), dev.block_size
+def warp_rows_geometry(rows: int) -> tuple[int, int]:
+    """(grid, block) of the warp-per-row kernels: WARPS_PER_BLOCK rows per block. Small blocks, because the
+    register kernels use 80-170 registers a thread (ptxas, sm_90): the SM's 64K registers hold more warps in
+    4-warp blocks than in 8-warp ones (float32 forward, ~88 registers: 20 warps against 16)."""
+    return ceil_div(rows, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP
+
+
+def warp_kernels(C: int):
+    """(forward, backward rows) warp kernels for C channels: the register kernels up to 32 * MAX_PER_LANE."""
+    if C <= WARP * MAX_PER_LANE:
+        return layernorm_forward_warp_kernel, layernorm_backward_inp_warp_kernel
+    return layernorm_forward_warp_loop_kernel, layernorm_backward_inp_warp_loop_kernel
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
@@ -277,7 +446,7 @@ def layernorm_forward(dev, out, mean, rstd, inp, weight, bias) -> None:
     rows = inp.size // C
     args = (out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C), weight, bias)
     if dev.kind == "gpu":
-        dev.launch(layernorm_forward_warp_kernel, *warp_rows_geometry(dev, rows), *args)
+        dev.launch(warp_kernels(C)[0], *warp_rows_geometry(rows), *args)
     else:
         dev.launch(layernorm_forward_kernel, rows, dev.block_size, *args)
 
@@ -292,7 +461,7 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
     dout2, inp2, mean1, rstd1 = dout.reshape(-1, C), inp.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
     args = (dinp.reshape(-1, C), dout2, inp2, weight, mean1, rstd1)
     if dev.kind == "gpu":
-        dev.launch(layernorm_backward_inp_warp_kernel, *warp_rows_geometry(dev, rows), *args)
+        dev.launch(warp_kernels(C)[1], *warp_rows_geometry(rows), *args)
     else:
         dev.launch(layernorm_backward_inp_kernel, rows, bs, *args)
     # dweight, dbias: partial sums over chunks of rows, then the chunks in order
@@ -301,4 +470,4 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
     part_b = dev.scratch("layernorm_dbias", (R, C), np.float64)
     dev.launch(layernorm_backward_params_partial_kernel, grid, block,
                part_w, part_b, dout2, inp2, mean1, rstd1, chunk)
-    dev.launch(layernorm_backward_params_final_kernel, ceil_div(C, bs), bs, dweight, dbias, part_w, part_b)
+    dev.launch(layernorm_backward_params_final_kernel, grid[0], block, dweight, dbias, part_w, part_b)
