@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import GPT2Config
 from .kernels.attention import attention_backward, attention_forward
-from .kernels.classifier import classifier_backward, classifier_forward
+from .kernels.classifier import classifier_fused, classifier_loss
 from .kernels.encoder import encoder_backward, encoder_forward
 from .kernels.fill import zero
 from .kernels.gelu import gelu_backward, gelu_forward
@@ -71,7 +71,7 @@ class Activations:
         self.lnf_mean = zs((B, T))
         self.lnf_rstd = zs((B, T))
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
-        self.probs = z((B, T, Vp))
+        self.probs = z((B, T, Vp))              # only the cpu reference's workspace (the kernels write none)
         self.losses = zs((B, T))
         # attention's gemm path on the tiled product keeps q, k, v head-major for backward (llm.c's qkvr)
         if dev.kernels and dev.attention == "gemm" and dev.matmul != "cublas":
@@ -105,7 +105,8 @@ class GPT2:
 
     def forward(self, p: list[dict], inputs, targets=None) -> None:
         """p: named views per bucket [embeddings, block0.., lnf]; inputs, targets: (B, T) int32 on the device.
-        Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync."""
+        Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync.
+        backward recomputes the losses itself, so a training step may call forward without targets."""
         dev, a, c = self.dev, self.acts, self.config
         L = c.num_layers
         emb, lnf = p[0], p[L + 1]
@@ -131,17 +132,20 @@ class GPT2:
         layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
         matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
         if targets is not None:
-            classifier_forward(dev, a.losses, a.probs, a.logits, targets, c.vocab_size)
+            # the losses only: one read of the logits (a.probs: the cpu reference's workspace)
+            classifier_loss(dev, a.losses, a.logits, targets, c.vocab_size, a.probs)
 
     def backward(self, p: list[dict], grads, inputs, targets, dloss: float) -> None:
         """Accumulates (+=) d(loss)/d(parameters) into the buffers `grads.bucket(b)` names, where
         loss = dloss * sum of per-position losses (dloss = 1/(B*T*K) for the mean over K micro-steps).
-        Needs the activations of forward(p, inputs, targets). No host sync."""
+        Needs the activations of forward(p, inputs); overwrites acts.losses (the same values as forward's).
+        No host sync."""
         dev, a, c = self.dev, self.acts, self.config
         L, NH = c.num_layers, c.num_heads
         emb, lnf = p[0], p[L + 1]
-        # classifier: dlogits = (probs - onehot) * dloss, written over the logits
-        classifier_backward(dev, a.logits, a.probs, targets, dloss, c.vocab_size)
+        # classifier, fused (llm.c's fused_classifier): the losses, and dlogits = (softmax - onehot) * dloss
+        # written over the logits, in one kernel that never materialises the probabilities
+        classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
         dlogits = a.logits
         gemb = grads.bucket(0)
         zero(dev, a.dbtc)

@@ -359,9 +359,10 @@ class Run:
         No host synchronisation, no allocation (a CUDA graph captures it)."""
         from .kernels.norm import sum_into
         a, z, m = self.args, self.zero, self.model
-        m.forward(z.pviews, self.x, self.y)
-        sum_into(self.dev, self.loss_sum, m.acts.losses)
+        # forward to the logits; backward's fused classifier computes the losses and dlogits in one pass
+        m.forward(z.pviews, self.x)
         m.backward(z.pviews, z, self.x, self.y, 1.0 / (a.batch_size * a.seq_len * a.grad_accum))
+        sum_into(self.dev, self.loss_sum, m.acts.losses)
         z.backward_done()
 
     def next_batch(self, loader, backward: bool = False) -> None:

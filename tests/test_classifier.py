@@ -1,10 +1,15 @@
 """Classifier (softmax + cross-entropy over the first V of Vp logits): the kernels against the NumPy
 reference, padded columns that never matter, the reference backward against finite differences. The fast
-kernels (GPU only in the layer) need nothing the simulator lacks: they run here too, launched directly."""
+kernels (GPU only in the layer) need nothing the simulator lacks: they run here too, launched directly.
+The fused kernel (loss and dlogits in one, in place over the logits: what the model's backward runs) and the
+loss kernel (what its forward runs): against the fused reference, against the unfused kernels (the same loss
+bits, dlogits within an ulp), and on bf16 storage (the float32 kernel's results, rounded)."""
 import numpy as np
 import pytest
+from test_bf16_storage import NAN_BF16, assert_rounded_float32, assert_within_one_step
 
 from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.device import ceil_div
 from llmz.kernels.classifier import (
     classifier_backward,
@@ -14,6 +19,12 @@ from llmz.kernels.classifier import (
     classifier_forward,
     classifier_forward_online_kernel,
     classifier_forward_ref,
+    classifier_fused,
+    classifier_fused_kernel,
+    classifier_fused_ref,
+    classifier_loss,
+    classifier_loss_kernel,
+    row_block,
 )
 
 B, T, V, Vp = 2, 3, 50, 64          # 64 columns: two sim blocks' worth of threads, V not a multiple of 32
@@ -235,3 +246,220 @@ def test_classifier_fast_kernels_match_float64_reference_and_repeat_bits_on_gpu(
     # probabilities that carry the norm are), sums and scale in float64; a NumPy emulation of this arithmetic
     # at this size gave 3e-8. losses: float64 log and sums. dlogits: one rounding of (p - onehot) * dloss.
     assert max(errs.values()) < 1e-6
+
+
+# ---- the fused kernel: loss and dlogits in one, in place over the logits --------------------------------
+def fused_ref64(logits, targets, dloss, V):
+    """The fused reference in float64: (losses, dlogits)."""
+    d = logits.astype(np.float64)
+    losses = np.empty(logits.shape[:-1])
+    classifier_fused_ref(losses, d, targets, dloss, V)
+    return losses, d
+
+
+def fused_inputs(rng, rows, V, Vp, order="random"):
+    """(rows, Vp) logits whose padded columns are NaN: each must be overwritten (with 0) and none may reach a
+    real column (a real column left unwritten keeps its logit, far from its dlogit); int32 targets."""
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    logits, targets = logits[0], targets[0]
+    if order == "rising":
+        logits[:, :V] = np.sort(logits[:, :V], axis=1)
+    logits[:, V:] = np.nan
+    return logits, targets
+
+
+def launch_fused(dev, losses, logits, targets, dloss, V, block):
+    dev.launch(classifier_fused_kernel, logits.shape[0], block, losses, logits, targets, float(dloss), V)
+
+
+# (5,37,40): V=37 padded to 40, fewer columns than threads; (4,300,320): groups of four columns and a tail;
+# block 8 and 5 (not a power of two): groups and tails on a short row; "rising": every group a new max.
+# float32: float32 exps, a few ulps per element; float64: float64 throughout
+TOL = {"float32": 1e-6, "float64": 1e-13}
+FUSED_CASES = [(5, 37, 40, 32, "random", "float32"), (5, 37, 40, 32, "random", "float64"),
+               (4, 300, 320, 32, "random", "float32"), (4, 300, 320, 32, "rising", "float64"),
+               (4, 37, 40, 8, "rising", "float32"), (3, 37, 40, 5, "random", "float32")]
+
+
+@pytest.mark.parametrize("rows, V, Vp, block, order, dtype", FUSED_CASES)
+def test_classifier_fused_kernel_matches_reference(kdev, rng, rows, V, Vp, block, order, dtype):
+    tol = TOL[dtype]
+    logits, targets = fused_inputs(rng, rows, V, Vp, order)
+    dloss = 1.0 / (3 * rows)                                  # not a power of two (K = 3 micro-steps)
+    losses, x = poisoned(kdev, rows, dtype), kdev.asarray(logits, dtype)
+    launch_fused(kdev, losses, x, kdev.asarray(targets), dloss, V, block)
+    ref_losses, ref_d = fused_ref64(logits.astype(dtype), targets, dloss, V)
+    d = kdev.to_host(x)
+    assert np.all(d[:, V:] == 0)                              # padded columns: written, no gradient
+    assert rel_err(d, ref_d) < tol
+    assert rel_err(kdev.to_host(losses), ref_losses) < tol
+    # the loss kernel: the fused kernel's loss bits, and it writes nothing else
+    x = kdev.asarray(logits, dtype)
+    only = poisoned(kdev, rows, dtype)
+    kdev.launch(classifier_loss_kernel, rows, block, only, x, kdev.asarray(targets), V)
+    np.testing.assert_array_equal(kdev.to_host(only), kdev.to_host(losses))
+    np.testing.assert_array_equal(kdev.to_host(x), logits.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_classifier_fused_reference_is_forward_reference_then_backward_reference(rng, dtype):
+    logits, targets = random_inputs(rng)
+    logits = logits.astype(dtype)
+    dloss = 1.0 / (3 * B * T)
+    losses, probs, dlogits = np.empty((B, T), dtype), np.empty_like(logits), np.empty_like(logits)
+    classifier_forward_ref(losses, probs, logits, targets, V)
+    classifier_backward_ref(dlogits, probs, targets, dloss, V)
+    fused_losses, x = np.empty((B, T), dtype), logits.copy()
+    classifier_fused_ref(fused_losses, x, targets, dloss, V)
+    # the same operations on the same values, only in place: the same bits
+    np.testing.assert_array_equal(fused_losses, losses)
+    np.testing.assert_array_equal(x, dlogits)
+
+
+def test_classifier_fused_reference_matches_finite_differences(rng):
+    logits, targets = random_inputs(rng)
+    dloss = 1.0 / (B * T)
+    _, d = fused_ref64(logits, targets, dloss, V)
+    # all Vp columns: the padded ones have derivative 0
+    idx, g = finite_diff(lambda x: fused_ref64(x, targets, dloss, V)[0], logits, np.full((B, T), dloss))
+    assert rel_err(d.reshape(-1)[idx], g) < 1e-6
+
+
+def test_classifier_fused_kernel_gives_unfused_losses_bit_for_bit_and_dlogits_within_one_ulp(kdev, rng):
+    rows, V, Vp = 3, 300, 320
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    logits, targets = logits[0].astype(np.float32), kdev.asarray(targets[0])
+    dloss = 1.0 / (3 * rows)
+    # unfused: the online forward (probs), then the rows backward over the logits
+    x, losses, probs = kdev.asarray(logits), poisoned(kdev, rows), poisoned(kdev, (rows, Vp))
+    online_forward(kdev, losses, probs, x, targets, V)
+    rows_backward(kdev, x, probs, targets, dloss, V)
+    # fused, at the same block size
+    y, fused_losses = kdev.asarray(logits), poisoned(kdev, rows)
+    launch_fused(kdev, fused_losses, y, targets, dloss, V, kdev.block_size)
+    # the same row statistics and loss arithmetic
+    np.testing.assert_array_equal(kdev.to_host(fused_losses), kdev.to_host(losses))
+    # the unfused path rounds p to float32 before (p - onehot) * dloss, the fused one does not
+    want, got = kdev.to_host(x), kdev.to_host(y)
+    assert np.all(np.abs(got - want) <= np.spacing(np.abs(want)))
+
+
+@pytest.mark.parametrize("dev_kind", ["kernels", "cpu"])
+def test_classifier_fused_and_loss_layers_match_reference(kdev, rng, dev_kind):
+    from llmz.device import Device
+    dev = kdev if dev_kind == "kernels" else Device("cpu", np.float32)
+    logits, targets = random_inputs(rng)
+    logits = logits.astype(np.float32)
+    dloss, t = 1.0 / (B * T), dev.asarray(targets)
+    ref_losses, ref_d = fused_ref64(logits, targets, dloss, V)
+    # the loss layer: losses only, the logits untouched (on cpu the reference writes probs into its workspace)
+    x, losses = dev.asarray(logits), poisoned(dev, (B, T))
+    classifier_loss(dev, losses, x, t, V, poisoned(dev, (B, T, Vp)))
+    np.testing.assert_array_equal(dev.to_host(x), logits)
+    loss_only = dev.to_host(losses).copy()
+    # the fused layer, in place; the same losses again
+    classifier_fused(dev, losses, x, t, dloss, V)
+    np.testing.assert_array_equal(dev.to_host(losses), loss_only)
+    # float32 exps and one rounding of (p - onehot) * dloss
+    assert rel_err(loss_only, ref_losses) < 1e-6
+    assert rel_err(dev.to_host(x), ref_d) < 1e-6
+
+
+# ---- the fused and loss kernels on bf16 storage (uint16 bits) -------------------------------------------
+@pytest.mark.parametrize("rows, V, Vp, block", [(4, 300, 320, 32), (3, 37, 40, 8)])
+def test_classifier_fused_kernel_on_bf16_is_the_rounded_float32_kernel(kdev, rng, rows, V, Vp, block):
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    bits, targets = f32_to_bf16(logits[0]), targets[0]
+    bits[:, V:] = NAN_BF16                                    # the poison, as above
+    t, dloss = kdev.asarray(targets), 1.0 / (3 * rows)
+    out = {}
+    for name, host in (("bf16", bits), ("f32", bf16_to_f32(bits))):
+        x, losses = kdev.asarray(host), kdev.full(rows, np.nan, np.float32)   # losses float32 beside bf16
+        launch_fused(kdev, losses, x, t, dloss, V, block)
+        only = kdev.full(rows, np.nan, np.float32)
+        kdev.launch(classifier_loss_kernel, rows, block, only, kdev.asarray(host), t, V)
+        out[name] = (kdev.to_host(losses), kdev.to_host(x), kdev.to_host(only))
+    (losses, d, only), (losses32, d32, only32) = out["bf16"], out["f32"]
+    # the uint16 specialisation does the float32 arithmetic and rounds at the store
+    np.testing.assert_array_equal(d, f32_to_bf16(d32))
+    np.testing.assert_array_equal(losses, losses32)
+    np.testing.assert_array_equal(only, losses)
+    np.testing.assert_array_equal(only32, losses32)
+    assert np.all(d[:, V:] == 0)
+    # the reference's bf16 path: float32 exps and sums (the kernel: float64 sums), dlogits rounded once
+    ref_losses, ref_d = np.empty(rows, np.float32), bits.copy()
+    classifier_fused_ref(ref_losses, ref_d, targets, dloss, V)
+    assert_within_one_step(d, ref_d)
+    assert rel_err(losses, ref_losses) < 1e-6
+
+
+# ---- on the GPU at GPT-2 size -------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_classifier_fused_kernel_matches_float64_reference_and_unfused_kernels_at_gpt2_size(kdev, rng):
+    rows, V, Vp = 4096, 50257, 50304                           # d12's vocabulary, B*T = 4 x 1024 rows
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    logits, targets = logits[0].astype(np.float32), targets[0]
+    t, dloss = kdev.asarray(targets), 1.0 / (3 * rows)
+    ref_losses, ref_d = fused_ref64(logits, targets, dloss, V)
+    # the fused layer twice, in place, losses NaN-poisoned: the same bits both times
+    runs = []
+    for _ in range(2):
+        x, losses = kdev.asarray(logits), poisoned(kdev, rows)
+        classifier_fused(kdev, losses, x, t, dloss, V)
+        runs.append((kdev.to_host(losses), kdev.to_host(x)))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    losses, d = runs[0]
+    assert np.all(d[:, V:] == 0)
+    errs = {"losses": rel_err(losses, ref_losses), "dlogits": rel_err(d, ref_d)}
+    worst = np.abs(d - ref_d) / np.maximum(np.abs(ref_d), np.finfo(np.float32).tiny)
+    # the loss layer: the same loss bits
+    only = poisoned(kdev, rows)
+    classifier_loss(kdev, only, kdev.asarray(logits), t, V, None)
+    np.testing.assert_array_equal(kdev.to_host(only), losses)
+    # the unfused fast kernels (online forward, at the fused kernel's block size as the layer launches it,
+    # then the rows backward): the same loss bits, dlogits within 2 ulps
+    x, un_losses, probs = kdev.asarray(logits), poisoned(kdev, rows), poisoned(kdev, (rows, Vp))
+    kdev.launch(classifier_forward_online_kernel, rows, row_block(kdev), un_losses, probs, x, t, V)
+    rows_backward(kdev, x, probs, t, dloss, V)
+    un_d = kdev.to_host(x)
+    np.testing.assert_array_equal(kdev.to_host(un_losses), losses)
+    ulps = np.abs(d - un_d) / np.spacing(np.abs(un_d))
+    # time: the fused kernel against the pair it replaces, and the loss kernel (x keeps being overwritten
+    # in place: the values change, the work does not)
+    out = poisoned(kdev, rows)
+    ms_fused = gpu_ms_per_call(kdev, lambda: classifier_fused(kdev, out, x, t, dloss, V))
+    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, out, x, t, V, None))
+    ms_pair = gpu_ms_per_call(kdev, lambda: (classifier_forward(kdev, out, probs, x, t, V),
+                                             classifier_backward(kdev, x, probs, t, dloss, V)))
+    nbytes = rows * Vp * 4
+    print(f"classifier fused rows={rows} V={V} Vp={Vp}: relative error {errs}, worst per element "
+          f"{worst.max():.2e}; vs unfused: losses bit-identical, dlogits worst {ulps.max():.1f} ulp "
+          f"({np.mean(ulps == 0):.4%} identical); fused {ms_fused:.4f} ms ({3 * nbytes / ms_fused / 1e6:.0f} GB/s "
+          f"as 2 reads + 1 write), loss {ms_loss:.4f} ms ({nbytes / ms_loss / 1e6:.0f} GB/s), unfused pair "
+          f"{ms_pair:.4f} ms per call")
+    # float32 exps (<= 2 ulps) of exact x - m near the row max, float64 sums, one rounding of the dlogit
+    assert max(errs.values()) < 1e-6
+    assert ulps.max() <= 2
+
+
+@pytest.mark.gpu
+def test_classifier_fused_kernel_on_bf16_is_the_rounded_float32_kernel_at_gpt2_size(kdev, rng):
+    rows, V, Vp = 4096, 50257, 50304
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    bits, t, dloss = f32_to_bf16(logits[0]), kdev.asarray(targets[0]), 1.0 / (3 * rows)
+    out = {}
+    for name, host in (("bf16", bits), ("f32", bf16_to_f32(bits))):
+        x, losses = kdev.asarray(host), kdev.full(rows, np.nan, np.float32)
+        classifier_fused(kdev, losses, x, t, dloss, V)
+        out[name] = (kdev.to_host(losses), kdev.to_host(x))
+    (losses, d), (losses32, d32) = out["bf16"], out["f32"]
+    x, scratch = kdev.asarray(bits), kdev.full(rows, np.nan, np.float32)
+    ms = gpu_ms_per_call(kdev, lambda: classifier_fused(kdev, scratch, x, t, dloss, V))
+    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, scratch, x, t, V, None))
+    assert_rounded_float32("classifier fused dlogits (bf16, in place)", d, d32)
+    np.testing.assert_array_equal(losses, losses32)
+    assert np.all(d[:, V:] == 0)
+    nbytes = rows * Vp * 2
+    print(f"classifier fused bf16: {ms:.4f} ms ({3 * nbytes / ms / 1e6:.0f} GB/s as 2 reads + 1 write), "
+          f"loss only {ms_loss:.4f} ms ({nbytes / ms_loss / 1e6:.0f} GB/s) per call")

@@ -20,6 +20,19 @@ lacks, and the tests run them there too):
                     (before: 7.0 ms per d12 step, ~940 GB/s).
   backward, rows    grid (rows, column blocks), as matmul_bias_kernel: the row is the block's, no division
                     (before: 3.55 ms per d12 step).
+Fused (llm.c's fused_classifier_kernel), in place, what the model runs (on the GPU and in the simulator):
+  fused             one block per row: the max and sum in one read of the row (row_stats), the loss, then a
+                    second read that writes dlogits = (softmax - onehot) * dloss straight over the logits. No
+                    probs: 2 reads + 1 write of a row where the online forward + rows backward made 3 reads +
+                    2 writes (they took 4.07 + 3.24 ms per d12 step, B=16, T=1024, bf16). The second read goes
+                    over each thread's columns last to first: it starts with what the first left in L2.
+  loss              the fused kernel's first half: the losses only, one read of the row, nothing written.
+The model's forward runs the loss kernel (validation needs no more), its backward the fused kernel, which
+computes the same losses again: a training step that asks forward for logits only (no targets) and reads the
+losses after backward reads each row twice instead of three times.
+row_stats reads four columns per thread per step, all four loads before any math (one 2-byte load at a time
+left the online kernel latency-bound), in a fixed order: the bits repeat. The online forward uses it too, and
+its layer launches it at the fused kernel's block size: all three kernels give the same losses, bit for bit.
 
 logits, probs and dlogits are float32, float64 or uint16 (bf16 bits, computed in float32, results rounded to
 nearest), each on its own: the kernels read and write them through llmz.kernels.bf16's load / store. losses
@@ -36,10 +49,17 @@ from ..device import ceil_div
 from .bf16 import load, store
 from .norm import MAX_BLOCK, block_max, block_sum
 
+# threads per row of the fused and loss kernels on the GPU. ptxas (sm_90) gives the fused kernel 40 registers
+# per thread (float32 and bf16): three blocks of 512 per SM, 75% occupancy (1024 would fit one block per SM:
+# every reduction would idle the SM), and about 400 rows in flight, ~40 MB of bf16 logits: what L2 can still
+# hold for the second read. Not yet tuned on the GPU.
+ROW_BLOCK = 512
+
 
 # ---- NumPy reference ----------------------------------------------------------------------------
 def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
-    """logits, probs: (B,T,Vp); targets: (B,T) int; losses: (B,T). Overwrites losses and probs."""
+    """logits, probs: (B,T,Vp); targets: (B,T) int; losses: (B,T). Overwrites losses and probs (which may be
+    the logits buffer: the fused reference computes them in place)."""
     if is_bf16(probs) or is_bf16(logits):
         # losses: a float array, written in place
         return run_in_f32(lambda lo, p, x: classifier_forward_ref(lo, p, x, targets, vocab_size),
@@ -48,6 +68,8 @@ def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
     x = logits[..., :V]
     # subtract the row max so exp never overflows
     maxval = x.max(axis=-1, keepdims=True)
+    # the target's logit, read before probs (maybe the same buffer) is written
+    xt = np.take_along_axis(x, targets[..., None].astype(np.intp), axis=-1)
     p = probs[..., :V]                      # computed in place in probs: no (B,T,V) temporaries
     np.subtract(x, maxval, out=p)
     np.exp(p, out=p)
@@ -56,13 +78,12 @@ def classifier_forward_ref(losses, probs, logits, targets, vocab_size):
     p /= s
     probs[..., V:] = 0
     # loss = -log p[target] = log(sum) - (logit[target] - max)
-    xt = np.take_along_axis(x, targets[..., None].astype(np.intp), axis=-1)
     losses[...] = (np.log(s) - (xt - maxval))[..., 0]
 
 
 def classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size):
     """dlogits, probs: (B,T,Vp); targets: (B,T); dloss: a float, d(loss)/d(losses[b,t]) for every b,t.
-    Overwrites dlogits (which may be the logits buffer, never probs)."""
+    Overwrites dlogits (which may be the logits buffer, or probs itself: the fused reference)."""
     if is_bf16(dlogits) or is_bf16(probs):
         return run_in_f32(lambda d, p: classifier_backward_ref(d, p, targets, dloss, vocab_size),
                           (dlogits, probs), written=(0,))
@@ -74,6 +95,17 @@ def classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size):
     dlogits[..., :V] *= dloss
     # padded columns get no gradient
     dlogits[..., V:] = 0
+
+
+def classifier_fused_ref(losses, logits, targets, dloss, vocab_size):
+    """logits: (B,T,Vp); targets, losses: (B,T); dloss: a float. Overwrites losses, and logits with dlogits:
+    the forward reference with its probs computed in place over the logits, then the backward reference in
+    place over the probs. bf16 storage: computed in float32, dlogits rounded once (as the kernel does)."""
+    if is_bf16(logits):
+        return run_in_f32(lambda lo, x: classifier_fused_ref(lo, x, targets, dloss, vocab_size),
+                          (losses, logits), written=(0, 1))
+    classifier_forward_ref(losses, logits, logits, targets, vocab_size)
+    classifier_backward_ref(logits, logits, targets, dloss, vocab_size)
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
@@ -126,28 +158,41 @@ def classifier_backward_kernel(dlogits, probs, targets, dloss, V, Vp, n):
             store(dlogits, i, 0.0)
 
 
-# ---- fast Numba kernels, GPU only ------------------------------------------------------------------
-@cuda.jit
-def classifier_forward_online_kernel(losses, probs, logits, targets, V):
-    """One block per row r = b*T + t. logits, probs: (B*T, Vp); targets, losses: (B*T,). Overwrites losses and
-    probs. Reads the row twice (max and sum together, then probs), where the teaching kernel reads it thrice."""
-    r = cuda.blockIdx.x
+# ---- fast Numba kernels: block per row, shared memory only (they run in the simulator too) ---------
+@cuda.jit(device=True)
+def row_stats(logits, r, V, buf):
+    """logits: (rows, Vp); buf: float64 shared scratch of >= blockDim. All threads of the block call it.
+    Returns (m, maxval, shift, total): this thread's running max m (in the logits' dtype, >= every logit of its
+    columns v = tid, tid + nt, ... < V), the row max, exp(m - maxval) and the row's sum of exp(x - maxval)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    Vp = logits.shape[1]
-    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     # each thread over its strided columns: a running max m and s = sum of exp(x - m), rescaled when m grows.
     # m starts at column 0's logit: a value of the row (so m <= the row max), in the logits' dtype (so the
-    # exponentials are float32 ones for float32 logits)
+    # exponentials are float32 ones for float32 and bf16 logits); the sums are float64
     m = load(logits, (r, 0))
     s = 0.0
-    for v in range(tid, V, nt):
+    # four columns per step, loaded before any math (four loads in flight), summed in a fixed order
+    v = tid
+    while v + 3 * nt < V:
+        x0 = load(logits, (r, v))
+        x1 = load(logits, (r, v + nt))
+        x2 = load(logits, (r, v + 2 * nt))
+        x3 = load(logits, (r, v + 3 * nt))
+        mx = max(max(x0, x1), max(x2, x3))
+        if mx > m:
+            s *= math.exp(m - mx)
+            m = mx
+        s += ((numba.float64(math.exp(x0 - m)) + math.exp(x1 - m)) + math.exp(x2 - m)) + math.exp(x3 - m)
+        v += 4 * nt
+    # the last few columns one at a time
+    while v < V:
         x = load(logits, (r, v))
         if x > m:
             s = s * math.exp(m - x) + 1.0
             m = x
         else:
             s += math.exp(x - m)
+        v += nt
     # the row max: the largest m of the block
     buf[tid] = m
     cuda.syncthreads()
@@ -159,7 +204,30 @@ def classifier_forward_online_kernel(losses, probs, logits, targets, V):
     buf[tid] = s * shift
     cuda.syncthreads()
     block_sum(buf, tid, nt)
-    total = buf[0]
+    return m, maxval, shift, buf[0]
+
+
+@cuda.jit(device=True)
+def dlogit(x, v, V, target, m, scale, dloss):
+    """Column v's (softmax - onehot(target)) * dloss from its logit x <= m: exp(x - m) * scale is its
+    probability (scale = exp(m - max) / sum). Padded columns (v >= V) get no gradient."""
+    if v >= V:
+        return 0.0
+    p = math.exp(x - m) * scale
+    return (p - 1.0 if v == target else p) * dloss
+
+
+@cuda.jit
+def classifier_forward_online_kernel(losses, probs, logits, targets, V):
+    """One block per row r = b*T + t. logits, probs: (B*T, Vp); targets, losses: (B*T,). Overwrites losses and
+    probs. Reads the row twice (max and sum together, then probs), where the teaching kernel reads it thrice."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    Vp = logits.shape[1]
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    # max and sum in one read
+    m, maxval, shift, total = row_stats(logits, r, V, buf)
     # normalise: exp(x - max) / sum = exp(x - m) * (exp(m - max) / sum), x <= m on this thread's columns;
     # padded columns are zero
     scale = shift / total
@@ -168,6 +236,58 @@ def classifier_forward_online_kernel(losses, probs, logits, targets, V):
     # loss = log(sum) - (logit[target] - max)
     if tid == 0:
         losses[r] = math.log(total) - (load(logits, (r, targets[r])) - maxval)
+
+
+@cuda.jit
+def classifier_loss_kernel(losses, logits, targets, V):
+    """One block per row r = b*T + t. logits: (B*T, Vp); targets, losses: (B*T,). Overwrites losses; one read
+    of the row, nothing else written."""
+    r = cuda.blockIdx.x
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    # max and sum in one read
+    _, maxval, _, total = row_stats(logits, r, V, buf)
+    # loss = log(sum) - (logit[target] - max)
+    if cuda.threadIdx.x == 0:
+        losses[r] = math.log(total) - (load(logits, (r, targets[r])) - maxval)
+
+
+@cuda.jit
+def classifier_fused_kernel(losses, logits, targets, dloss, V):
+    """One block per row r = b*T + t. logits: (B*T, Vp); targets, losses: (B*T,). Overwrites losses, and the
+    logits with dlogits = (softmax - onehot(target)) * dloss, 0 on the padded columns (in place, as llm.c:
+    no second buffer, and the simulator copies each array argument, so two names for one buffer would lose
+    writes there). Reads the row twice, writes it once; no probs."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    Vp = logits.shape[1]
+    buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    t = targets[r]
+    # the target's logit, read before anything is written over the logits (row_stats syncs the block first)
+    xt = load(logits, (r, t))
+    # max and sum in one read
+    m, maxval, shift, total = row_stats(logits, r, V, buf)
+    # loss = log(sum) - (logit[target] - max)
+    if tid == 0:
+        losses[r] = math.log(total) - (xt - maxval)
+    # dlogits over this thread's columns again (each element read, then overwritten, by the same thread), last to
+    # first: the end of the row, read last, is the likeliest still in L2. Four per step: four loads in flight,
+    # then four stores
+    scale = shift / total
+    v = tid + ((Vp - 1 - tid) // nt) * nt   # this thread's last column (< tid when it has none)
+    while v >= tid + 3 * nt:
+        x0 = load(logits, (r, v))
+        x1 = load(logits, (r, v - nt))
+        x2 = load(logits, (r, v - 2 * nt))
+        x3 = load(logits, (r, v - 3 * nt))
+        store(logits, (r, v), dlogit(x0, v, V, t, m, scale, dloss))
+        store(logits, (r, v - nt), dlogit(x1, v - nt, V, t, m, scale, dloss))
+        store(logits, (r, v - 2 * nt), dlogit(x2, v - 2 * nt, V, t, m, scale, dloss))
+        store(logits, (r, v - 3 * nt), dlogit(x3, v - 3 * nt, V, t, m, scale, dloss))
+        v -= 4 * nt
+    while v >= tid:
+        store(logits, (r, v), dlogit(load(logits, (r, v)), v, V, t, m, scale, dloss))
+        v -= nt
 
 
 @cuda.jit
@@ -187,14 +307,21 @@ def classifier_backward_rows_kernel(dlogits, probs, targets, dloss, V):
 
 
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+def row_block(dev) -> int:
+    """Threads per row (one block) of the fused and loss kernels: ROW_BLOCK on the GPU, dev.block_size in the
+    simulator."""
+    return ROW_BLOCK if dev.kind == "gpu" else dev.block_size
+
+
 def classifier_forward(dev, losses, probs, logits, targets, vocab_size):
     """logits, probs: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses and probs."""
     if not dev.kernels:
         return classifier_forward_ref(losses, probs, logits, targets, vocab_size)
     Vp = logits.shape[-1]
     rows = logits.size // Vp
-    block = min(dev.block_size, MAX_BLOCK)
-    kernel = classifier_forward_online_kernel if dev.kind == "gpu" else classifier_forward_kernel
+    # the online kernel at the fused kernel's block size: the same row statistics, the same loss bits
+    kernel, block = ((classifier_forward_online_kernel, row_block(dev)) if dev.kind == "gpu" else
+                     (classifier_forward_kernel, min(dev.block_size, MAX_BLOCK)))
     dev.launch(kernel, rows, block,
                losses.reshape(-1), probs.reshape(rows, Vp), logits.reshape(rows, Vp), targets.reshape(-1),
                vocab_size)
@@ -214,3 +341,25 @@ def classifier_backward(dev, dlogits, probs, targets, dloss, vocab_size):
     else:
         dev.launch(classifier_backward_kernel, ceil_div(n, dev.block_size), dev.block_size,
                    dlogits.reshape(-1), probs.reshape(-1), targets.reshape(-1), float(dloss), vocab_size, Vp, n)
+
+
+def classifier_fused(dev, losses, logits, targets, dloss, vocab_size):
+    """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T); dloss: float. Overwrites losses, and logits
+    with dlogits = (softmax - onehot(target)) * dloss (in place)."""
+    if not dev.kernels:
+        return classifier_fused_ref(losses, logits, targets, dloss, vocab_size)
+    Vp = logits.shape[-1]
+    rows = logits.size // Vp
+    dev.launch(classifier_fused_kernel, rows, row_block(dev), losses.reshape(-1), logits.reshape(rows, Vp),
+               targets.reshape(-1), float(dloss), vocab_size)
+
+
+def classifier_loss(dev, losses, logits, targets, vocab_size, probs):
+    """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses. probs (B,T,Vp): the NumPy
+    reference's workspace on cpu (it writes the probabilities there); the kernel never touches it."""
+    if not dev.kernels:
+        return classifier_forward_ref(losses, probs, logits, targets, vocab_size)
+    Vp = logits.shape[-1]
+    rows = logits.size // Vp
+    dev.launch(classifier_loss_kernel, rows, row_block(dev), losses.reshape(-1), logits.reshape(rows, Vp),
+               targets.reshape(-1), vocab_size)
