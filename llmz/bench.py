@@ -67,15 +67,45 @@ def gpu_name(dev) -> str:
     return dev.xp.cuda.runtime.getDeviceProperties(dev.gpu_index)["name"].decode() if dev.kind == "gpu" else ""
 
 
+HOLD_MS = 1500          # longer than the host takes to queue an eager micro-step (~0.1-0.3 s at d12)
+
+
+def hold_kernel_source():
+    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call)."""
+    from numba import cuda
+
+    def hold(ms):
+        for _ in range(ms):
+            cuda.nanosleep(1000000)
+    return hold
+
+
+hold_kernel = None
+
+
 def per_kernel(run, step: int, precision: str) -> str:
     """One eager step with a CUDA event pair around every kernel and cuBLAS call: the table as text. (Events
-    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair also counts any
-    time the GPU waits for a slow Python launch, so compare the table's sum with the graphed step time: equal
-    when the GPU, not the host, sets the pace."""
+    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair would also count
+    any time the GPU waits for a slow Python launch (an eager bf16 step is paced by the host: measured, its
+    small kernels read 10x their time), so the GPU first sleeps while the host queues the whole micro-step,
+    and again while it queues the update: the pairs then time the GPU's work alone."""
     import cupy
+    from numba import cuda
+    global hold_kernel
+    hold_kernel = hold_kernel or cuda.jit(hold_kernel_source())
     dev = run.dev
     dev.synchronize()
     enabled, run.graphs.enabled = run.graphs.enabled, False
+    micro_step, optimize = run.micro_step, run.zero.optimize
+
+    def held(fn):
+        def call():
+            profile, dev.profile = dev.profile, None
+            dev.launch(hold_kernel, 1, 1, HOLD_MS)          # untimed: the GPU waits, the host runs ahead
+            dev.profile = profile
+            fn()
+        return call
+    run.micro_step, run.zero.optimize = held(micro_step), held(optimize)
     dev.profile = []
     try:
         run.step(step)
@@ -83,6 +113,7 @@ def per_kernel(run, step: int, precision: str) -> str:
         records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
     finally:
         dev.profile, run.graphs.enabled = None, enabled
+        run.micro_step, run.zero.optimize = micro_step, optimize
     rows: dict[str, list] = {}
     for (name, _, _, flops, nbytes), ms in records:
         r = rows.setdefault(name, [0, 0.0, 0, 0])

@@ -304,6 +304,31 @@ def test_gemm_path_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
 
 
 @pytest.mark.gpu
+def test_paired_softmax_kernels_on_bf16_are_the_float32_kernels_rounded_at_gpt2_size(kdev, rng):
+    # the layer functions on a GPU take the paired kernels for even T (bf16 rows as uint32 words, float32
+    # rows as uint64 words): the bf16 run equals the float32 run rounded, and the upper triangle is +0
+    from llmz.kernels.attention import softmax_rows, softmax_rows_backward
+    shape = (GB * GNH, GT, GT)
+    pre, datt = causal(rng, shape, 2.0), causal(rng, shape)
+    # bf16
+    att16, dpre16 = kdev.asarray(poison(shape)), kdev.asarray(poison(shape))
+    softmax_rows(kdev, att16, kdev.asarray(pre))
+    softmax_rows_backward(kdev, dpre16, kdev.asarray(datt), att16)
+    # float32 on the same inputs widened; its backward from the bf16 run's att, so only rounding differs
+    att32, dpre32 = kdev.asarray(np.full(shape, np.nan, np.float32)), kdev.asarray(np.full(shape, np.nan, np.float32))
+    softmax_rows(kdev, att32, kdev.asarray(bf16_to_f32(pre)))
+    softmax_rows_backward(kdev, dpre32, kdev.asarray(bf16_to_f32(datt)), kdev.asarray(bf16_to_f32(kdev.to_host(att16))))
+    upper = np.triu(np.ones((GT, GT), dtype=bool), k=1)
+    for name, got, want in (("softmax rows (pairs)", kdev.to_host(att16), kdev.to_host(att32)),
+                            ("softmax rows backward (pairs)", kdev.to_host(dpre16), kdev.to_host(dpre32))):
+        err = worst_rel(got, want)
+        print(f"{name}: worst relative error per element {err:.3e} (bound {REL_BF16:.3e}); "
+              f"{np.mean(got == f32_to_bf16(want)):.4%} bit-identical to round_to_nearest(float32 kernel)")
+        assert err <= REL_BF16
+        assert np.all(got[:, upper] == 0) and np.all(want[:, upper].view(np.uint32) == 0)
+
+
+@pytest.mark.gpu
 def test_matmul_bias_and_tiled_gemm_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
     N, OC = 16384, 2304
     check(kdev, matmul_bias_kernel, bias_grid(kdev, N, OC), kdev.block_size,

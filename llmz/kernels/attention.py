@@ -34,7 +34,7 @@ from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
-from .bf16 import load, store, store_add
+from .bf16 import load, load_pair, pair_view, store, store_add, store_pair
 from .gemm import Heads, gemm, gemm_heads
 from .norm import MAX_BLOCK, block_max, block_sum
 
@@ -315,7 +315,7 @@ def softmax_rows_backward_kernel(dpreatt, datt, att):
 FULL_MASK = 0xFFFFFFFF
 ROWS_PER_BLOCK = 8
 UNROLL = 4
-CHUNK = 32 * UNROLL                     # elements of a row a warp reads per iteration
+CHUNK = 32 * UNROLL                     # elements (pairs: words) of a row a warp reads per iteration
 
 
 @cuda.jit(device=True)
@@ -436,10 +436,134 @@ def softmax_rows_backward_warp_kernel(dpreatt, datt, att):
             store(dpreatt, (r, t, base + 96), a3 * (d3 - total) if base + 96 <= t else zero)
 
 
+# The same kernels reading and writing two elements per load and store (llmz.kernels.bf16's paired
+# accessors): rows of bf16 as uint32 words, of float32 as uint64 words, word w = elements 2w and 2w+1. T
+# must be even. A lane takes words w, w+32, w+64, w+96 per iteration (8 elements); bf16 kernels otherwise
+# run at the rate of 2-byte load instructions, not at the memory's.
+@cuda.jit(device=True)
+def _pair_at(a, r, t, w, last, fill):
+    """Elements 2w and 2w+1 of row a[r, t] (a paired view) as float32, each one past `last` read as fill."""
+    if 2 * w > last:
+        return fill, fill
+    x0, x1 = load_pair(a, (r, t, w))
+    return numba.float32(x0), (numba.float32(x1) if 2 * w + 1 <= last else fill)
+
+
+@cuda.jit(device=True)
+def _tril_pair(a, r, t, w, v0, v1, zero):
+    """Store (v0, v1) into word w of row a[r, t] (a paired view), 0 for elements above the diagonal t."""
+    store_pair(a, (r, t, w), v0 if 2 * w <= t else zero, v1 if 2 * w + 1 <= t else zero)
+
+
+@cuda.jit
+def softmax_rows_pairs_kernel(att, preatt):
+    # att, preatt: (R,T,T/2) paired views of (R,T,T) rows. As softmax_rows_warp_kernel, one warp per row.
+    # Overwrites att.
+    T = att.shape[1]
+    W = att.shape[2]
+    row, lane = _warp_row()
+    if row >= att.shape[0] * T:
+        return
+    r = row // T
+    t = row - r * T
+    ninf = numba.float32(-math.inf)
+    zero = numba.float32(0.0)
+    # online max and sum over t2 <= t: words w <= t // 2, eight elements per lane per iteration
+    m = ninf
+    s = zero
+    for w in range(lane, t // 2 + 1, CHUNK):
+        x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
+        x2, x3 = _pair_at(preatt, r, t, w + 32, t, ninf)
+        x4, x5 = _pair_at(preatt, r, t, w + 64, t, ninf)
+        x6, x7 = _pair_at(preatt, r, t, w + 96, t, ninf)
+        mx = max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7)))     # x0 <= t: finite
+        if mx > m:
+            s *= math.exp(m - mx)
+            m = mx
+        s += ((math.exp(x0 - m) + math.exp(x1 - m)) + (math.exp(x2 - m) + math.exp(x3 - m))) + \
+             ((math.exp(x4 - m) + math.exp(x5 - m)) + (math.exp(x6 - m) + math.exp(x7 - m)))
+    off = 16
+    while off > 0:
+        mo = cuda.shfl_down_sync(FULL_MASK, m, off)
+        so = cuda.shfl_down_sync(FULL_MASK, s, off)
+        m, s = _combine(m, s, mo, so)
+        off //= 2
+    m = cuda.shfl_sync(FULL_MASK, m, 0)
+    inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
+    # normalise: the loads of the iteration first, then its stores; 0 above the diagonal
+    for w in range(lane, W, CHUNK):
+        x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
+        x2, x3 = _pair_at(preatt, r, t, w + 32, t, ninf)
+        x4, x5 = _pair_at(preatt, r, t, w + 64, t, ninf)
+        x6, x7 = _pair_at(preatt, r, t, w + 96, t, ninf)
+        _tril_pair(att, r, t, w, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, zero)
+        if w + 32 < W:
+            _tril_pair(att, r, t, w + 32, math.exp(x2 - m) * inv, math.exp(x3 - m) * inv, zero)
+        if w + 64 < W:
+            _tril_pair(att, r, t, w + 64, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv, zero)
+        if w + 96 < W:
+            _tril_pair(att, r, t, w + 96, math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, zero)
+
+
+@cuda.jit
+def softmax_rows_backward_pairs_kernel(dpreatt, datt, att):
+    # paired views (R,T,T/2). As softmax_rows_backward_warp_kernel. Overwrites dpreatt.
+    T = att.shape[1]
+    W = att.shape[2]
+    row, lane = _warp_row()
+    if row >= att.shape[0] * T:
+        return
+    r = row // T
+    t = row - r * T
+    zero = numba.float32(0.0)
+    # sum over t2 <= t of att * datt
+    s = zero
+    for w in range(lane, t // 2 + 1, CHUNK):
+        a0, a1 = _pair_at(att, r, t, w, t, zero)
+        a2, a3 = _pair_at(att, r, t, w + 32, t, zero)
+        a4, a5 = _pair_at(att, r, t, w + 64, t, zero)
+        a6, a7 = _pair_at(att, r, t, w + 96, t, zero)
+        d0, d1 = _pair_at(datt, r, t, w, t, zero)
+        d2, d3 = _pair_at(datt, r, t, w + 32, t, zero)
+        d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
+        d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
+        s += ((a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)) + ((a4 * d4 + a5 * d5) + (a6 * d6 + a7 * d7))
+    off = 16
+    while off > 0:
+        s += cuda.shfl_down_sync(FULL_MASK, s, off)
+        off //= 2
+    total = cuda.shfl_sync(FULL_MASK, s, 0)
+    # dpreatt = att * (datt - total) on and below the diagonal, 0 above
+    for w in range(lane, W, CHUNK):
+        a0, a1 = _pair_at(att, r, t, w, t, zero)
+        a2, a3 = _pair_at(att, r, t, w + 32, t, zero)
+        a4, a5 = _pair_at(att, r, t, w + 64, t, zero)
+        a6, a7 = _pair_at(att, r, t, w + 96, t, zero)
+        d0, d1 = _pair_at(datt, r, t, w, t, zero)
+        d2, d3 = _pair_at(datt, r, t, w + 32, t, zero)
+        d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
+        d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
+        _tril_pair(dpreatt, r, t, w, a0 * (d0 - total), a1 * (d1 - total), zero)
+        if w + 32 < W:
+            _tril_pair(dpreatt, r, t, w + 32, a2 * (d2 - total), a3 * (d3 - total), zero)
+        if w + 64 < W:
+            _tril_pair(dpreatt, r, t, w + 64, a4 * (d4 - total), a5 * (d5 - total), zero)
+        if w + 96 < W:
+            _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), zero)
+
+
+def _pairs_ok(*xs) -> bool:
+    """The paired kernels apply: float32 or bf16 rows of even length (the views need it)."""
+    return all(x.dtype in (np.float32, np.uint16) and x.shape[-1] % 2 == 0 for x in xs)
+
+
 def softmax_rows(dev, att3, pre3) -> None:
     """att3 = causal softmax of each row of pre3, both (R,T,T)."""
     R, T, _ = att3.shape
-    if dev.kind == "gpu":
+    if dev.kind == "gpu" and _pairs_ok(att3, pre3):
+        dev.launch(softmax_rows_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
+                   pair_view(att3), pair_view(pre3))
+    elif dev.kind == "gpu":
         dev.launch(softmax_rows_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, att3, pre3)
     else:
         dev.launch(softmax_rows_kernel, R * T, min(dev.block_size, MAX_BLOCK), att3, pre3)
@@ -447,7 +571,10 @@ def softmax_rows(dev, att3, pre3) -> None:
 
 def softmax_rows_backward(dev, dpre3, datt3, att3) -> None:
     R, T, _ = att3.shape
-    if dev.kind == "gpu":
+    if dev.kind == "gpu" and _pairs_ok(dpre3, datt3, att3):
+        dev.launch(softmax_rows_backward_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
+                   pair_view(dpre3), pair_view(datt3), pair_view(att3))
+    elif dev.kind == "gpu":
         dev.launch(softmax_rows_backward_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
                    dpre3, datt3, att3)
     else:
