@@ -27,7 +27,7 @@ def activation_elements(c: GPT2Config, B: int, T: int) -> tuple[int, int]:
     4 per layer per position, plus 3."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
     per_layer = 18 * C + NH * T
-    outside = C + C + 2 * Vp                    # encoded, lnf, logits, probs
+    outside = C + C + Vp                        # encoded, lnf, logits (dlogits in place; no probs: fused classifier)
     scratch = 13 * C + 3 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
     return B * T * (L * per_layer + outside + scratch), B * T * (4 * L + 3)
 

@@ -71,7 +71,6 @@ class Activations:
         self.lnf_mean = zs((B, T))
         self.lnf_rstd = zs((B, T))
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
-        self.probs = z((B, T, Vp))              # only the cpu reference's workspace (the kernels write none)
         self.losses = zs((B, T))
         # attention's gemm path on the tiled product keeps q, k, v head-major for backward (llm.c's qkvr)
         if dev.kernels and dev.attention == "gemm" and dev.matmul != "cublas":
@@ -132,8 +131,8 @@ class GPT2:
         layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
         matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
         if targets is not None:
-            # the losses only: one read of the logits (a.probs: the cpu reference's workspace)
-            classifier_loss(dev, a.losses, a.logits, targets, c.vocab_size, a.probs)
+            # the losses only: one read of the logits
+            classifier_loss(dev, a.losses, a.logits, targets, c.vocab_size)
 
     def backward(self, p: list[dict], grads, inputs, targets, dloss: float) -> None:
         """Accumulates (+=) d(loss)/d(parameters) into the buffers `grads.bucket(b)` names, where

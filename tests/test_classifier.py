@@ -354,7 +354,7 @@ def test_classifier_fused_and_loss_layers_match_reference(kdev, rng, dev_kind):
     ref_losses, ref_d = fused_ref64(logits, targets, dloss, V)
     # the loss layer: losses only, the logits untouched (on cpu the reference writes probs into its workspace)
     x, losses = dev.asarray(logits), poisoned(dev, (B, T))
-    classifier_loss(dev, losses, x, t, V, poisoned(dev, (B, T, Vp)))
+    classifier_loss(dev, losses, x, t, V)
     np.testing.assert_array_equal(dev.to_host(x), logits)
     loss_only = dev.to_host(losses).copy()
     # the fused layer, in place; the same losses again
@@ -415,7 +415,7 @@ def test_classifier_fused_kernel_matches_float64_reference_and_unfused_kernels_a
     worst = np.abs(d - ref_d) / np.maximum(np.abs(ref_d), np.finfo(np.float32).tiny)
     # the loss layer: the same loss bits
     only = poisoned(kdev, rows)
-    classifier_loss(kdev, only, kdev.asarray(logits), t, V, None)
+    classifier_loss(kdev, only, kdev.asarray(logits), t, V)
     np.testing.assert_array_equal(kdev.to_host(only), losses)
     # the unfused fast kernels (online forward, at the fused kernel's block size as the layer launches it,
     # then the rows backward): the same loss bits, dlogits within 2 ulps
@@ -429,7 +429,7 @@ def test_classifier_fused_kernel_matches_float64_reference_and_unfused_kernels_a
     # in place: the values change, the work does not)
     out = poisoned(kdev, rows)
     ms_fused = gpu_ms_per_call(kdev, lambda: classifier_fused(kdev, out, x, t, dloss, V))
-    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, out, x, t, V, None))
+    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, out, x, t, V))
     ms_pair = gpu_ms_per_call(kdev, lambda: (classifier_forward(kdev, out, probs, x, t, V),
                                              classifier_backward(kdev, x, probs, t, dloss, V)))
     nbytes = rows * Vp * 4
@@ -456,7 +456,7 @@ def test_classifier_fused_kernel_on_bf16_is_the_rounded_float32_kernel_at_gpt2_s
     (losses, d), (losses32, d32) = out["bf16"], out["f32"]
     x, scratch = kdev.asarray(bits), kdev.full(rows, np.nan, np.float32)
     ms = gpu_ms_per_call(kdev, lambda: classifier_fused(kdev, scratch, x, t, dloss, V))
-    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, scratch, x, t, V, None))
+    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, scratch, x, t, V))
     assert_rounded_float32("classifier fused dlogits (bf16, in place)", d, d32)
     np.testing.assert_array_equal(losses, losses32)
     assert np.all(d[:, V:] == 0)

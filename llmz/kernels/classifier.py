@@ -354,11 +354,11 @@ def classifier_fused(dev, losses, logits, targets, dloss, vocab_size):
                targets.reshape(-1), float(dloss), vocab_size)
 
 
-def classifier_loss(dev, losses, logits, targets, vocab_size, probs):
-    """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses. probs (B,T,Vp): the NumPy
-    reference's workspace on cpu (it writes the probabilities there); the kernel never touches it."""
+def classifier_loss(dev, losses, logits, targets, vocab_size):
+    """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses (the logits stay as they are).
+    On cpu the NumPy reference computes the probabilities into a temporary; the kernel writes none."""
     if not dev.kernels:
-        return classifier_forward_ref(losses, probs, logits, targets, vocab_size)
+        return classifier_forward_ref(losses, np.empty_like(logits), logits, targets, vocab_size)
     Vp = logits.shape[-1]
     rows = logits.size // Vp
     dev.launch(classifier_loss_kernel, rows, row_block(dev), losses.reshape(-1), logits.reshape(rows, Vp),
