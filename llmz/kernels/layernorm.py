@@ -12,7 +12,7 @@ Kernels (the teaching versions):
   backward, params two stages (reduce.py's column-sum pattern): stage 1, grid (ceil(C/32), ceil(N/256)),
                    each block sums norm*dout and dout over a chunk of rows for a strip of 32 channels into two
                    float64 (R,C) scratch buffers; stage 2, the same blocks over the R partials, each lane adding
-                   its partials in order, then the lanes in order (reduce.sum_rows, lanes_in_order).
+                   its partials in order, then the lanes in order (reduce.column_total).
                    Stage 1's threads load ROWS_IN_FLIGHT = 8 rows (inp, dout, mean, rstd) before adding them
                    (the batch in the compute dtype, the batches in float64); before, one load then one add per
                    row waited a memory latency per row, and stage 2 was one thread per channel over all R
@@ -58,10 +58,9 @@ from .reduce import (
     COLSUM_STRIP,
     MAX_LANES,
     colsum_geometry,
-    lanes_in_order,
+    column_total,
     stage_rows,
     strip_partial,
-    sum_rows,
 )
 
 LN_EPS = 1e-5
@@ -242,18 +241,12 @@ def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
     """dweight, dbias: (C,); part_w, part_b: (R,C) float64. Stage 2, grid ceil(C/32), block (32, lanes), as
     reduce.column_sum_final_kernel: lane y adds partial rows y, y+lanes, ... in order, then the lanes are added
     in order. Accumulates (+=) into dweight, dbias."""
-    R, C = part_w.shape
+    C = part_w.shape[1]
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    # this lane's partial sums of both
-    acc_w = np.float64(0.0)
-    acc_b = np.float64(0.0)
-    if c < C:
-        acc_w = sum_rows(part_w, c, cuda.threadIdx.y, R, cuda.blockDim.y)
-        acc_b = sum_rows(part_b, c, cuda.threadIdx.y, R, cuda.blockDim.y)
-    # the lanes, in order; lane 0 adds them into dweight[c], dbias[c]
-    s_w = lanes_in_order(buf, acc_w)
-    s_b = lanes_in_order(buf, acc_b)
+    # both columns' partials, lane by lane in order; lane 0 adds them into dweight[c], dbias[c]
+    s_w = column_total(buf, part_w, c)
+    s_b = column_total(buf, part_b, c)
     if cuda.threadIdx.y == 0 and c < C:
         store_add(dweight, c, s_w)
         store_add(dbias, c, s_b)

@@ -24,7 +24,7 @@ through store / store_add: the float64 sum added to out's value, rounded to floa
 the partial sums stay float64.
 
 Other kernels with the same shape of problem (layernorm's dweight and dbias) reuse the pieces: colsum_geometry
-for the launch, stage_rows / strip_partial in their own stage-1 kernel, sum_partials in their stage 2.
+for the launch, stage_rows / sum_rows / strip_partial in their own stage-1 kernel, column_total in their stage 2.
 """
 import numba
 import numpy as np
@@ -150,12 +150,14 @@ def strip_partial(buf, acc, partial, c):
 
 
 @cuda.jit(device=True)
-def sum_partials(partial, c):
-    """Stage 2 in one thread: the float64 sum of partial[0:R, c], in row order."""
-    s = 0.0
-    for r in range(partial.shape[0]):
-        s += partial[r, c]
-    return s
+def column_total(buf, partial, c):
+    """Stage 2 in a (32 columns) x (lanes) block: returns, in lane 0, the float64 sum of partial[0:R, c], lane
+    y adding rows y, y+lanes, ... in order, then the lanes in order (any value where c is out of range: the
+    caller drops it; the whole block must call this). buf as in lanes_in_order."""
+    R, C = partial.shape
+    # this lane's partials (a column past the end sums column C-1, so every thread runs sum_rows unbranched)
+    acc = sum_rows(partial, min(c, C - 1), cuda.threadIdx.y, R, cuda.blockDim.y)
+    return lanes_in_order(buf, acc)
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
@@ -177,13 +179,11 @@ def column_sum_partial_kernel(partial, x, rows_per_block):
 def column_sum_final_kernel(out, partial, accumulate):
     """out: (C,); partial: (R,C) float64. Stage 2, grid ceil(C/32), block (32, lanes). Accumulates (+=) into
     out (accumulate False: overwrites)."""
-    R, C = partial.shape
+    C = partial.shape[1]
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    # this lane's partials: rows y, y+lanes, ..., in order (a column past the end sums column C-1, dropped)
-    acc = sum_rows(partial, min(c, C - 1), cuda.threadIdx.y, R, cuda.blockDim.y)
-    # the lanes, in order; lane 0 writes out[c]
-    s = lanes_in_order(buf, acc)
+    # the column's partials, lane by lane in order; lane 0 writes out[c]
+    s = column_total(buf, partial, c)
     if cuda.threadIdx.y == 0 and c < C:
         if accumulate:
             store_add(out, c, s)
