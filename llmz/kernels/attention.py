@@ -331,6 +331,29 @@ def _combine(m, s, mo, so):
 
 
 @cuda.jit(device=True)
+def _warp_max_inv_sum(m, s):
+    """Every lane's partial (max, sum of exp(x - max)) -> the row's (max, 1 / sum), in every lane. The lanes
+    combine halving each time (shfl_down: a fixed order); lane 0 ends with the row's and hands it to all."""
+    off = 16
+    while off > 0:
+        mo = cuda.shfl_down_sync(FULL_MASK, m, off)
+        so = cuda.shfl_down_sync(FULL_MASK, s, off)
+        m, s = _combine(m, s, mo, so)
+        off //= 2
+    return cuda.shfl_sync(FULL_MASK, m, 0), numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
+
+
+@cuda.jit(device=True)
+def _warp_total(s):
+    """The sum of every lane's s, in the same fixed order as _warp_max_inv_sum, in every lane."""
+    off = 16
+    while off > 0:
+        s += cuda.shfl_down_sync(FULL_MASK, s, off)
+        off //= 2
+    return cuda.shfl_sync(FULL_MASK, s, 0)
+
+
+@cuda.jit(device=True)
 def _at(a, r, t, t2, last, fill):
     """a[r, t, t2] as a float32 for t2 <= last, else `fill` (past the diagonal or the row's end)."""
     return numba.float32(load(a, (r, t, t2))) if t2 <= last else fill
@@ -366,15 +389,8 @@ def softmax_rows_warp_kernel(att, preatt):
             s *= math.exp(m - mx)               # rescale the sum so far to the new max (m = -inf: s = 0)
             m = mx
         s += (math.exp(x0 - m) + math.exp(x1 - m)) + (math.exp(x2 - m) + math.exp(x3 - m))
-    # lanes combine, halving each time; lane 0 ends with the row's (max, sum) and hands it to all
-    off = 16
-    while off > 0:
-        mo = cuda.shfl_down_sync(FULL_MASK, m, off)
-        so = cuda.shfl_down_sync(FULL_MASK, s, off)
-        m, s = _combine(m, s, mo, so)
-        off //= 2
-    m = cuda.shfl_sync(FULL_MASK, m, 0)
-    inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
+    # the row's max and 1 / sum, in every lane
+    m, inv = _warp_max_inv_sum(m, s)
     # normalise (the row's loads first, then the stores); 0 above the diagonal
     for base in range(lane, T, CHUNK):
         x0 = _at(preatt, r, t, base, t, ninf)
@@ -412,11 +428,7 @@ def softmax_rows_backward_warp_kernel(dpreatt, datt, att):
         d2 = _at(datt, r, t, base + 64, t, zero)
         d3 = _at(datt, r, t, base + 96, t, zero)
         s += (a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)
-    off = 16
-    while off > 0:
-        s += cuda.shfl_down_sync(FULL_MASK, s, off)
-        off //= 2
-    total = cuda.shfl_sync(FULL_MASK, s, 0)
+    total = _warp_total(s)
     # dpreatt = att * (datt - total) on and below the diagonal (the loads first), 0 above (not -0.0)
     for base in range(lane, T, CHUNK):
         a0 = _at(att, r, t, base, t, zero)
@@ -482,14 +494,7 @@ def softmax_rows_pairs_kernel(att, preatt):
             m = mx
         s += ((math.exp(x0 - m) + math.exp(x1 - m)) + (math.exp(x2 - m) + math.exp(x3 - m))) + \
              ((math.exp(x4 - m) + math.exp(x5 - m)) + (math.exp(x6 - m) + math.exp(x7 - m)))
-    off = 16
-    while off > 0:
-        mo = cuda.shfl_down_sync(FULL_MASK, m, off)
-        so = cuda.shfl_down_sync(FULL_MASK, s, off)
-        m, s = _combine(m, s, mo, so)
-        off //= 2
-    m = cuda.shfl_sync(FULL_MASK, m, 0)
-    inv = numba.float32(1.0) / cuda.shfl_sync(FULL_MASK, s, 0)
+    m, inv = _warp_max_inv_sum(m, s)
     # normalise: the loads of the iteration first, then its stores; 0 above the diagonal
     for w in range(lane, W, CHUNK):
         x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
@@ -528,11 +533,7 @@ def softmax_rows_backward_pairs_kernel(dpreatt, datt, att):
         d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
         d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
         s += ((a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)) + ((a4 * d4 + a5 * d5) + (a6 * d6 + a7 * d7))
-    off = 16
-    while off > 0:
-        s += cuda.shfl_down_sync(FULL_MASK, s, off)
-        off //= 2
-    total = cuda.shfl_sync(FULL_MASK, s, 0)
+    total = _warp_total(s)
     # dpreatt = att * (datt - total) on and below the diagonal, 0 above
     for w in range(lane, W, CHUNK):
         a0, a1 = _pair_at(att, r, t, w, t, zero)
