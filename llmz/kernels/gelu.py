@@ -70,6 +70,17 @@ else:
 
 
 @cuda.jit(device=True)
+def four_slots(n):
+    """This thread's elements i0..i3 = i, i+S, i+2S, i+3S (S = the threads of the grid) and the indices j0..j3
+    it loads them from: the same, or element n-1 for a slot past the end (a valid address, never stored)."""
+    i0 = cuda.grid(1)
+    S = cuda.gridsize(1)
+    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
+    last = n - 1
+    return i0, i1, i2, i3, min(i0, last), min(i1, last), min(i2, last), min(i3, last)
+
+
+@cuda.jit(device=True)
 def gelu_value(x):
     """gelu(x) in x's precision (float32 for float32 and bf16 storage)."""
     return HALF * x * (ONE + math.tanh(S32 * (x + C32 * x * x * x)))
@@ -85,16 +96,9 @@ def gelu_grad(x):
 @cuda.jit
 def gelu_forward_kernel(out, inp, n):
     """out, inp: (n,). Thread i takes elements i, i+S, i+2S, i+3S (S = cuda.gridsize(1)). Overwrites out."""
-    i0 = cuda.grid(1)
-    S = cuda.gridsize(1)
-    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
-    # the four loads first, independent, all in flight at once (a slot past the end reads element n-1, a
-    # valid address, and is never stored)
-    last = n - 1
-    x0 = load(inp, min(i0, last))
-    x1 = load(inp, min(i1, last))
-    x2 = load(inp, min(i2, last))
-    x3 = load(inp, min(i3, last))
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n)
+    # the four loads first, independent, all in flight at once
+    x0, x1, x2, x3 = load(inp, j0), load(inp, j1), load(inp, j2), load(inp, j3)
     loads_barrier()
     # out = gelu(inp), the slots inside the array
     if i0 < n:
@@ -110,12 +114,8 @@ def gelu_forward_kernel(out, inp, n):
 @cuda.jit
 def gelu_backward_kernel(dinp, inp, dout, n):
     """dinp, inp, dout: (n,). Elements as in the forward kernel. Accumulates (+=) into dinp."""
-    i0 = cuda.grid(1)
-    S = cuda.gridsize(1)
-    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n)
     # the twelve loads first (inp, dout and the dinp being accumulated into), independent of each other
-    last = n - 1
-    j0, j1, j2, j3 = min(i0, last), min(i1, last), min(i2, last), min(i3, last)
     x0, x1, x2, x3 = load(inp, j0), load(inp, j1), load(inp, j2), load(inp, j3)
     g0, g1, g2, g3 = load(dout, j0), load(dout, j1), load(dout, j2), load(dout, j3)
     d0, d1, d2, d3 = load(dinp, j0), load(dinp, j1), load(dinp, j2), load(dinp, j3)

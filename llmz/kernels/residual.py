@@ -11,7 +11,7 @@ from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
 from .bf16 import load, store
-from .gelu import elementwise_blocks, loads_barrier
+from .gelu import elementwise_blocks, four_slots, loads_barrier
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -36,13 +36,8 @@ def residual_backward_ref(dinp1, dinp2, dout):
 def residual_forward_kernel(out, inp1, inp2, n):
     """out, inp1, inp2: (n,). Thread i takes elements i, i+S, i+2S, i+3S (S = cuda.gridsize(1)).
     Overwrites out."""
-    i0 = cuda.grid(1)
-    S = cuda.gridsize(1)
-    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
-    # the eight loads first, independent, all in flight at once (a slot past the end reads element n-1, a
-    # valid address, and is never stored)
-    last = n - 1
-    j0, j1, j2, j3 = min(i0, last), min(i1, last), min(i2, last), min(i3, last)
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n)
+    # the eight loads first, independent, all in flight at once
     a0, a1, a2, a3 = load(inp1, j0), load(inp1, j1), load(inp1, j2), load(inp1, j3)
     b0, b1, b2, b3 = load(inp2, j0), load(inp2, j1), load(inp2, j2), load(inp2, j3)
     loads_barrier()
@@ -61,12 +56,8 @@ def residual_forward_kernel(out, inp1, inp2, n):
 def residual_backward_kernel(dinp1, dinp2, dout, n):
     """dinp1, dinp2, dout: (n,), dinp1 and dinp2 different arrays (both are read before either is written).
     Elements as in the forward kernel. Accumulates (+=) into dinp1 and dinp2."""
-    i0 = cuda.grid(1)
-    S = cuda.gridsize(1)
-    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n)
     # the twelve loads first: dout and the two gradients being accumulated into
-    last = n - 1
-    j0, j1, j2, j3 = min(i0, last), min(i1, last), min(i2, last), min(i3, last)
     d0, d1, d2, d3 = load(dout, j0), load(dout, j1), load(dout, j2), load(dout, j3)
     p0, p1, p2, p3 = load(dinp1, j0), load(dinp1, j1), load(dinp1, j2), load(dinp1, j3)
     q0, q1, q2, q3 = load(dinp2, j0), load(dinp2, j1), load(dinp2, j2), load(dinp2, j3)
