@@ -12,6 +12,7 @@ and prints ms per step, tokens/s, MFU and the GPU memory held.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -70,17 +71,17 @@ def gpu_name(dev) -> str:
 HOLD_MS = 1500          # longer than the host takes to queue an eager micro-step (~0.1-0.3 s at d12)
 
 
-def hold_kernel_source():
-    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call)."""
+@functools.cache
+def hold_kernel():
+    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call); built on
+    first use, as numba may only be imported once the device kind is settled (llmz.device)."""
     from numba import cuda
 
+    @cuda.jit
     def hold(ms):
         for _ in range(ms):
             cuda.nanosleep(1000000)
     return hold
-
-
-hold_kernel = None
 
 
 def per_kernel(run, step: int, precision: str) -> str:
@@ -90,9 +91,6 @@ def per_kernel(run, step: int, precision: str) -> str:
     small kernels read 10x their time), so the GPU first sleeps while the host queues the whole micro-step,
     and again while it queues the update: the pairs then time the GPU's work alone."""
     import cupy
-    from numba import cuda
-    global hold_kernel
-    hold_kernel = hold_kernel or cuda.jit(hold_kernel_source())
     dev = run.dev
     dev.synchronize()
     enabled, run.graphs.enabled = run.graphs.enabled, False
@@ -101,7 +99,7 @@ def per_kernel(run, step: int, precision: str) -> str:
     def held(fn):
         def call():
             profile, dev.profile = dev.profile, None
-            dev.launch(hold_kernel, 1, 1, HOLD_MS)          # untimed: the GPU waits, the host runs ahead
+            dev.launch(hold_kernel(), 1, 1, HOLD_MS)        # untimed: the GPU waits, the host runs ahead
             dev.profile = profile
             fn()
         return call
