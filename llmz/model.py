@@ -57,7 +57,7 @@ class Activations:
         self.ln1_rstd = zs((L, B, T))
         self.qkv = z((L, B, T, 3 * C))
         self.atty = z((L, B, T, C))             # attention output, before the projection
-        self.att = z((L, B, NH, T, T))          # softmax of preatt, causal
+        self.att = z((L, B, NH, T, T))          # softmax of preatt, causal; zero above the diagonal from here on
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
         self.ln2 = z((L, B, T, C))
@@ -81,7 +81,7 @@ class Activations:
         self.dqkv = z((B, T, 3 * C))
         self.dfch_gelu = z((B, T, 4 * C))
         self.dfch = z((B, T, 4 * C))
-        self.dpreatt = z((B, NH, T, T))
+        self.dpreatt = z((B, NH, T, T))         # zero above the diagonal from here on (as att)
         self.datt = z((B, NH, T, T))
         self.preatt = z((B, NH, T, T))          # scaled q.k: forward scratch (backward needs only att)
 
@@ -118,7 +118,7 @@ class GPT2:
                               w["ln1w"], w["ln1b"])
             matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
             attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
-                              self.qkvr(layer))
+                              self.qkvr(layer), upper_is_zero=True)
             matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
             # MLP branch: x + fcproj(gelu(fc(ln2(x))))
@@ -147,8 +147,7 @@ class GPT2:
         classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
         dlogits = a.logits
         gemb = grads.bucket(0)
-        zero(dev, a.dbtc)
-        matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"])
+        matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"], dinp_accumulate=False)
         # final layernorm: its bucket is complete now
         glnf = grads.bucket(L + 1)
         zero(dev, a.dresidual)
@@ -160,24 +159,21 @@ class GPT2:
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # dresidual holds d(residual3). A residual add passes its gradient through unchanged to both
             # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.
-            zero(dev, a.dfch_gelu)
             matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
-                            w["fcprojw"])
+                            w["fcprojw"], dinp_accumulate=False)
             zero(dev, a.dfch)
             gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu)
-            zero(dev, a.dbtc)
-            matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"])
+            matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"],
+                            dinp_accumulate=False)
             layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],
                                w["ln2w"], a.ln2_mean[layer], a.ln2_rstd[layer])
             # dresidual now holds d(residual2): the attention branch
-            zero(dev, a.dbtc)
             matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
-                            w["attprojw"])
-            zero(dev, a.dqkv)
+                            w["attprojw"], dinp_accumulate=False)
             attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
-                               self.qkvr(layer))
-            zero(dev, a.dbtc)
-            matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"])
+                               self.qkvr(layer), accumulate=False, upper_is_zero=True)
+            matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"],
+                            dinp_accumulate=False)
             layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
                                w["ln1w"], a.ln1_mean[layer], a.ln1_rstd[layer])
             # dresidual now holds d(block input); this block's bucket is complete

@@ -68,6 +68,25 @@ def test_attention_backward_kernel_matches_reference_and_overwrites_scratch(kdev
     assert rel_err(kdev.to_host(dpreatt), rdpreatt) < 1e-6
 
 
+@pytest.mark.parametrize("path", ["direct", "gemm"])
+def test_attention_backward_overwrites_dinp_when_asked(kdev, fdev, rng, path):
+    dev = kdev if path == "direct" else fdev
+    inp = rng.normal(size=(B, T, 3 * C))
+    dout = rng.normal(size=(B, T, C))
+    _, _, att, qkvr = _forward_fast(fdev, inp, NH) if path == "gemm" else (None, None, None, None)
+    att_h = _forward_ref(inp, NH)[2] if path == "direct" else fdev.to_host(att).astype(np.float64)
+    # dinp starts as NaN: a kernel that read it (accumulated) would leave NaN
+    dinp = poisoned(dev, inp.shape)
+    dpreatt, datt = poisoned(dev, att_h.shape), poisoned(dev, att_h.shape)
+    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout, np.float32), dev.asarray(inp, np.float32),
+                       dev.asarray(att_h, np.float32), NH, qkvr, accumulate=False)
+    rdinp = np.full(inp.shape, np.nan)
+    attention_backward_ref(rdinp, np.empty(att_h.shape), np.empty(att_h.shape), dout, inp, att_h, NH,
+                           accumulate=False)
+    # as the accumulating tests: a few ulps (TF32 on a GPU: ~1e-3)
+    assert rel_err(dev.to_host(dinp), rdinp) < (5e-3 if dev.matmul == "cublas" else 1e-6)
+
+
 def test_attention_reference_backward_matches_finite_differences(rng):
     inp = rng.normal(size=(B, T, 3 * C))
     dout = rng.normal(size=(B, T, C))
@@ -200,3 +219,28 @@ def test_softmax_rows_warp_kernels_match_reference_and_repeat_bit_for_bit(fdev, 
     # exactly +0.0 above the diagonal (no -0.0: the bits are zero)
     assert np.all(runs[0][0][:, ~lower].view(np.uint32) == 0) and np.all(runs[0][1][:, ~lower].view(np.uint32) == 0)
     assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 300])
+def test_softmax_rows_pairs_kernels_leave_a_zero_upper_triangle_unwritten(fdev, rng, T):
+    # upper_is_zero: the caller's buffer already holds +0.0 above the diagonal. The paired kernels (even T)
+    # then write on and below it only: the same bits there as a full write, and a sentinel above it stays
+    from llmz.kernels.attention import softmax_rows, softmax_rows_backward
+    R = 3
+    pre = fdev.asarray(rng.normal(size=(R, T, T)) * 3, np.float32)
+    datt = fdev.asarray(rng.normal(size=(R, T, T)), np.float32)
+    lower = np.tril(np.ones((T, T), dtype=bool))
+    full_att, full_dpre = poisoned(fdev, (R, T, T)), poisoned(fdev, (R, T, T))
+    softmax_rows(fdev, full_att, pre)
+    softmax_rows_backward(fdev, full_dpre, datt, full_att)
+    sentinel = np.where(lower, np.nan, 7.0).astype(np.float32)
+    att, dpre = fdev.asarray(np.broadcast_to(sentinel, (R, T, T))), fdev.asarray(np.broadcast_to(sentinel, (R, T, T)))
+    softmax_rows(fdev, att, pre, upper_is_zero=True)
+    softmax_rows_backward(fdev, dpre, datt, full_att, upper_is_zero=True)
+    for got, want in ((att, full_att), (dpre, full_dpre)):
+        got, want = fdev.to_host(got), fdev.to_host(want)
+        # on and below the diagonal: the full write's bits; above it: the sentinel, never written
+        assert np.array_equal(got[:, lower], want[:, lower])
+        assert np.all(got[:, ~lower] == 7.0)
+    print(f"softmax rows pairs, T={T}: upper triangle left unwritten, lower bit-identical to the full write")

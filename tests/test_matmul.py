@@ -9,7 +9,7 @@ from llmz.kernels.matmul import (
     gemm_tiled,
     matmul_backward,
     matmul_backward_ref,
-    matmul_bias_kernel,
+    matmul_bias_fill_kernel,
     matmul_forward,
     matmul_forward_ref,
 )
@@ -46,17 +46,31 @@ def test_matmul_forward_kernel_is_exact_in_float64(kdev, rng):
     assert rel_err(kdev.to_host(out), ref) < 1e-14
 
 
-# the bias kernel: each thread adds to 4 rows a grid apart, one column. N = 1: fewer rows than one thread's 4;
+# the bias fill: each thread writes 4 rows a grid apart, one column. N = 1: fewer rows than one thread's 4;
 # N = 9: the last thread's 4th row is past the end; OC = 37: past the 32-thread block
 @pytest.mark.parametrize("N", [1, 9])
-def test_matmul_bias_kernel_adds_the_bias_to_every_element_and_accumulates(kdev, rng, N):
+def test_matmul_bias_fill_kernel_writes_the_bias_into_every_row(kdev, rng, N):
     OC = 37
-    start = rng.normal(size=(N, OC)).astype(np.float32)
     bias = rng.normal(size=OC).astype(np.float32)
-    out = kdev.asarray(start)
-    kdev.launch(matmul_bias_kernel, bias_grid(kdev, N, OC), kdev.block_size, out, kdev.asarray(bias))
-    # one float32 add per element: bit-exact (a missed element keeps its start value)
-    np.testing.assert_array_equal(kdev.to_host(out), start + bias)
+    out = poisoned(kdev, (N, OC))
+    kdev.launch(matmul_bias_fill_kernel, bias_grid(kdev, N, OC), kdev.block_size, out, kdev.asarray(bias))
+    # a copy: bit-exact (a missed element keeps its NaN)
+    np.testing.assert_array_equal(kdev.to_host(out), np.broadcast_to(bias, (N, OC)))
+
+
+def test_matmul_backward_kernel_overwrites_dinp_when_asked(kdev, rng):
+    inp, weight, _, dout = _inputs(rng, B, T, C, OC)
+    dweight0, dbias0 = rng.normal(size=weight.shape), rng.normal(size=OC)
+    # dinp starts as NaN: a kernel that read it (accumulated) would leave NaN
+    dinp = poisoned(kdev, inp.shape)
+    dweight, dbias = kdev.asarray(dweight0, np.float32), kdev.asarray(dbias0, np.float32)
+    matmul_backward(kdev, dinp, dweight, dbias, kdev.asarray(dout, np.float32), kdev.asarray(inp, np.float32),
+                    kdev.asarray(weight, np.float32), dinp_accumulate=False)
+    ref_dinp, ref_dw, ref_db = np.full(inp.shape, np.nan), dweight0.copy(), dbias0.copy()
+    matmul_backward_ref(ref_dinp, ref_dw, ref_db, dout, inp, weight, dinp_accumulate=False)
+    # float32 products over OC=18 or N=6 terms: a few ulps, as the accumulating test
+    for got, want in ((dinp, ref_dinp), (dweight, ref_dw), (dbias, ref_db)):
+        assert rel_err(kdev.to_host(got), want) < 1e-6
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

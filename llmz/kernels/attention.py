@@ -35,6 +35,7 @@ from numba import cuda
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .bf16 import load, load_pair, pair_view, store, store_add, store_pair
+from .fill import zero
 from .gemm import Heads, gemm, gemm_heads
 from .norm import MAX_BLOCK, block_max, block_sum
 
@@ -71,12 +72,15 @@ def attention_forward_ref(out, preatt, att, inp, num_heads):
     out[...] = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
-def attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads):
+def attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads, accumulate=True):
     """dout (B,T,C); inp, dinp (B,T,3C); att, dpreatt, datt (B,NH,T,T).
-    Accumulates (+=) into dinp; overwrites dpreatt and datt (scratch)."""
+    Accumulates (+=) into dinp (accumulate=False: overwrites); overwrites dpreatt and datt (scratch)."""
     arrays = (dinp, dpreatt, datt, dout, inp, att)
     if any(is_bf16(x) for x in arrays):
-        return run_in_f32(lambda *xs: attention_backward_ref(*xs, num_heads), arrays, written=(0, 1, 2))
+        return run_in_f32(lambda *xs: attention_backward_ref(*xs, num_heads, accumulate), arrays,
+                          written=(0, 1, 2))
+    if not accumulate:
+        dinp[...] = 0
     B, T, C3 = inp.shape
     C = C3 // 3
     scale = 1.0 / math.sqrt(C // num_heads)
@@ -468,9 +472,10 @@ def _tril_pair(a, r, t, w, v0, v1, zero):
 
 
 @cuda.jit
-def softmax_rows_pairs_kernel(att, preatt):
+def softmax_rows_pairs_kernel(att, preatt, write_upper):
     # att, preatt: (R,T,T/2) paired views of (R,T,T) rows. As softmax_rows_warp_kernel, one warp per row.
-    # Overwrites att.
+    # Overwrites att on and below the diagonal; above it writes +0.0 if write_upper, else leaves it (the
+    # caller's att already holds the zeros: a quarter of the kernel's bytes not moved).
     T = att.shape[1]
     W = att.shape[2]
     row, lane = _warp_row()
@@ -495,24 +500,27 @@ def softmax_rows_pairs_kernel(att, preatt):
         s += ((math.exp(x0 - m) + math.exp(x1 - m)) + (math.exp(x2 - m) + math.exp(x3 - m))) + \
              ((math.exp(x4 - m) + math.exp(x5 - m)) + (math.exp(x6 - m) + math.exp(x7 - m)))
     m, inv = _warp_max_inv_sum(m, s)
-    # normalise: the loads of the iteration first, then its stores; 0 above the diagonal
-    for w in range(lane, W, CHUNK):
+    # normalise: the loads of the iteration first, then its stores; 0 above the diagonal (the words up to
+    # the diagonal's only, unless write_upper)
+    end = W if write_upper else t // 2 + 1
+    for w in range(lane, end, CHUNK):
         x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
         x2, x3 = _pair_at(preatt, r, t, w + 32, t, ninf)
         x4, x5 = _pair_at(preatt, r, t, w + 64, t, ninf)
         x6, x7 = _pair_at(preatt, r, t, w + 96, t, ninf)
         _tril_pair(att, r, t, w, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, zero)
-        if w + 32 < W:
+        if w + 32 < end:
             _tril_pair(att, r, t, w + 32, math.exp(x2 - m) * inv, math.exp(x3 - m) * inv, zero)
-        if w + 64 < W:
+        if w + 64 < end:
             _tril_pair(att, r, t, w + 64, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv, zero)
-        if w + 96 < W:
+        if w + 96 < end:
             _tril_pair(att, r, t, w + 96, math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, zero)
 
 
 @cuda.jit
-def softmax_rows_backward_pairs_kernel(dpreatt, datt, att):
-    # paired views (R,T,T/2). As softmax_rows_backward_warp_kernel. Overwrites dpreatt.
+def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
+    # paired views (R,T,T/2). As softmax_rows_backward_warp_kernel. Overwrites dpreatt on and below the
+    # diagonal; above it as softmax_rows_pairs_kernel does att.
     T = att.shape[1]
     W = att.shape[2]
     row, lane = _warp_row()
@@ -534,8 +542,10 @@ def softmax_rows_backward_pairs_kernel(dpreatt, datt, att):
         d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
         s += ((a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)) + ((a4 * d4 + a5 * d5) + (a6 * d6 + a7 * d7))
     total = _warp_total(s)
-    # dpreatt = att * (datt - total) on and below the diagonal, 0 above
-    for w in range(lane, W, CHUNK):
+    # dpreatt = att * (datt - total) on and below the diagonal, 0 above (up to the diagonal's word only,
+    # unless write_upper)
+    end = W if write_upper else t // 2 + 1
+    for w in range(lane, end, CHUNK):
         a0, a1 = _pair_at(att, r, t, w, t, zero)
         a2, a3 = _pair_at(att, r, t, w + 32, t, zero)
         a4, a5 = _pair_at(att, r, t, w + 64, t, zero)
@@ -545,11 +555,11 @@ def softmax_rows_backward_pairs_kernel(dpreatt, datt, att):
         d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
         d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
         _tril_pair(dpreatt, r, t, w, a0 * (d0 - total), a1 * (d1 - total), zero)
-        if w + 32 < W:
+        if w + 32 < end:
             _tril_pair(dpreatt, r, t, w + 32, a2 * (d2 - total), a3 * (d3 - total), zero)
-        if w + 64 < W:
+        if w + 64 < end:
             _tril_pair(dpreatt, r, t, w + 64, a4 * (d4 - total), a5 * (d5 - total), zero)
-        if w + 96 < W:
+        if w + 96 < end:
             _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), zero)
 
 
@@ -558,23 +568,25 @@ def _pairs_ok(*xs) -> bool:
     return all(x.dtype in (np.float32, np.uint16) and x.shape[-1] % 2 == 0 for x in xs)
 
 
-def softmax_rows(dev, att3, pre3) -> None:
-    """att3 = causal softmax of each row of pre3, both (R,T,T)."""
+def softmax_rows(dev, att3, pre3, upper_is_zero: bool = False) -> None:
+    """att3 = causal softmax of each row of pre3, both (R,T,T). upper_is_zero: att3 already holds +0.0 above
+    the diagonal (a buffer zeroed once that only this function writes); the paired kernel then leaves it."""
     R, T, _ = att3.shape
     if dev.kind == "gpu" and _pairs_ok(att3, pre3):
         dev.launch(softmax_rows_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
-                   pair_view(att3), pair_view(pre3))
+                   pair_view(att3), pair_view(pre3), not upper_is_zero)
     elif dev.kind == "gpu":
         dev.launch(softmax_rows_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, att3, pre3)
     else:
         dev.launch(softmax_rows_kernel, R * T, min(dev.block_size, MAX_BLOCK), att3, pre3)
 
 
-def softmax_rows_backward(dev, dpre3, datt3, att3) -> None:
+def softmax_rows_backward(dev, dpre3, datt3, att3, upper_is_zero: bool = False) -> None:
+    """dpre3 = softmax backward of datt3 given att3, all (R,T,T); upper_is_zero for dpre3 as in softmax_rows."""
     R, T, _ = att3.shape
     if dev.kind == "gpu" and _pairs_ok(dpre3, datt3, att3):
         dev.launch(softmax_rows_backward_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
-                   pair_view(dpre3), pair_view(datt3), pair_view(att3))
+                   pair_view(dpre3), pair_view(datt3), pair_view(att3), not upper_is_zero)
     elif dev.kind == "gpu":
         dev.launch(softmax_rows_backward_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
                    dpre3, datt3, att3)
@@ -604,10 +616,10 @@ def _square_heads(x, NH):
     return Heads(x, 0, NH * T * T, T * T, T, T, T, B, NH)
 
 
-def attention_forward_heads(dev, out, preatt, att, inp, num_heads) -> None:
+def attention_forward_heads(dev, out, preatt, att, inp, num_heads, upper_is_zero=False) -> None:
     """The gemm path on cuBLAS: every product reads its head straight out of inp and writes into out
     (gemmBatchedEx over per-head addresses, llmz.kernels.gemm.Heads). Overwrites out, att, and preatt on
-    and below the diagonal."""
+    and below the diagonal (upper_is_zero: see softmax_rows)."""
     B, T, C3 = inp.shape
     C = C3 // 3
     NH, hs = num_heads, C // num_heads
@@ -617,30 +629,32 @@ def attention_forward_heads(dev, out, preatt, att, inp, num_heads) -> None:
     # preatt = q @ k.T / sqrt(hs)
     gemm_heads(dev, pre, q, k, False, True, False, alpha=1.0 / math.sqrt(hs))
     # att = causal softmax of each row
-    softmax_rows(dev, att.reshape(B * NH, T, T), preatt.reshape(B * NH, T, T))
+    softmax_rows(dev, att.reshape(B * NH, T, T), preatt.reshape(B * NH, T, T), upper_is_zero)
     # out (head h's columns) = att @ v
     gemm_heads(dev, y, at, v, False, False, False)
 
 
-def attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads) -> None:
-    """Backward of attention_forward_heads. Accumulates (+=) into dinp (cuBLAS beta=1); overwrites dpreatt,
-    datt."""
+def attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, accumulate=True,
+                             upper_is_zero=False) -> None:
+    """Backward of attention_forward_heads. Accumulates (+=) into dinp (cuBLAS beta=1; accumulate=False:
+    overwrites, beta=0); overwrites dpreatt (upper_is_zero: see softmax_rows), datt."""
     B, T, C = dout.shape
     NH, hs = num_heads, C // num_heads
     q, k, v = _row_heads(inp, NH, 3)
     dq, dk, dv = _row_heads(dinp, NH, 3)
     at, dat, dpre = _square_heads(att, NH), _square_heads(datt, NH), _square_heads(dpreatt, NH)
     (dy,) = _row_heads(dout, NH)
-    # through y = att @ v: datt = dy @ v.T, dv += att.T @ dy
+    # through y = att @ v: datt = dy @ v.T, dv (+)= att.T @ dy
     gemm_heads(dev, dat, dy, v, False, True, False)
-    gemm_heads(dev, dv, at, dy, True, False, True)
+    gemm_heads(dev, dv, at, dy, True, False, accumulate)
     # softmax backward, row by row
     R = B * NH
-    softmax_rows_backward(dev, dpreatt.reshape(R, T, T), datt.reshape(R, T, T), att.reshape(R, T, T))
-    # through preatt = q @ k.T * scale: dq += dpreatt @ k * scale, dk += dpreatt.T @ q * scale
+    softmax_rows_backward(dev, dpreatt.reshape(R, T, T), datt.reshape(R, T, T), att.reshape(R, T, T),
+                          upper_is_zero)
+    # through preatt = q @ k.T * scale: dq (+)= dpreatt @ k * scale, dk (+)= dpreatt.T @ q * scale
     scale = 1.0 / math.sqrt(hs)
-    gemm_heads(dev, dq, dpre, k, False, False, True, alpha=scale)
-    gemm_heads(dev, dk, dpre, q, True, False, True, alpha=scale)
+    gemm_heads(dev, dq, dpre, k, False, False, accumulate, alpha=scale)
+    gemm_heads(dev, dk, dpre, q, True, False, accumulate, alpha=scale)
 
 
 def attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr) -> None:
@@ -691,13 +705,14 @@ def attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr
 
 
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
-def attention_forward(dev, out, preatt, att, inp, num_heads, qkvr=None) -> None:
+def attention_forward(dev, out, preatt, att, inp, num_heads, qkvr=None, upper_is_zero=False) -> None:
     """inp (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) kept for backward. Overwrites all three.
-    With dev.attention == 'gemm' pass qkvr (3,B,NH,T,hs), which backward needs too."""
+    With dev.attention == 'gemm' pass qkvr (3,B,NH,T,hs), which backward needs too. upper_is_zero: att
+    already holds +0.0 above the diagonal (zeroed once, written only here); a kernel may leave it."""
     if not dev.kernels:
         return attention_forward_ref(out, preatt, att, inp, num_heads)
     if dev.attention == "gemm" and dev.matmul == "cublas":
-        return attention_forward_heads(dev, out, preatt, att, inp, num_heads)
+        return attention_forward_heads(dev, out, preatt, att, inp, num_heads, upper_is_zero)
     if dev.attention == "gemm":
         return attention_forward_gemm(dev, out, preatt, att, inp, num_heads, qkvr)
     B, T, C3 = inp.shape
@@ -713,13 +728,18 @@ def attention_forward(dev, out, preatt, att, inp, num_heads, qkvr=None) -> None:
     dev.launch(attention_values_kernel, ceil_div(B * T * C, bs), bs, out, att, inp)
 
 
-def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, qkvr=None) -> None:
-    """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=). dpreatt, datt (B,NH,T,T): scratch, overwritten.
-    The gemm path reads forward's qkvr instead of inp."""
+def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, qkvr=None, accumulate=True,
+                       upper_is_zero=False) -> None:
+    """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=; accumulate=False: overwrites). dpreatt, datt
+    (B,NH,T,T): scratch, overwritten (upper_is_zero for dpreatt as attention_forward's for att). The gemm
+    path reads forward's qkvr instead of inp."""
     if not dev.kernels:
-        return attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads)
+        return attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads, accumulate)
     if dev.attention == "gemm" and dev.matmul == "cublas":
-        return attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads)
+        return attention_backward_heads(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, accumulate,
+                                        upper_is_zero)
+    if not accumulate:
+        zero(dev, dinp)                 # the kernels below accumulate
     if dev.attention == "gemm":
         return attention_backward_gemm(dev, dinp, dpreatt, datt, dout, att, num_heads, qkvr)
     B, T, C3 = inp.shape
