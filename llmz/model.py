@@ -146,6 +146,8 @@ class GPT2:
         # written over the logits, in one kernel that never materialises the probabilities
         classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
         dlogits = a.logits
+        # the backward scratch (dbtc, dfch_gelu, dfch, dqkv) is overwritten by the first layer that writes it
+        # (beta=0 products, overwriting kernels): no zeroing; dresidual is accumulated into, so zeroed once
         gemb = grads.bucket(0)
         matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"], dinp_accumulate=False)
         # final layernorm: its bucket is complete now
@@ -161,8 +163,7 @@ class GPT2:
             # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.
             matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
                             w["fcprojw"], dinp_accumulate=False)
-            zero(dev, a.dfch)
-            gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu)
+            gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu, accumulate=False)
             matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"],
                             dinp_accumulate=False)
             layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],

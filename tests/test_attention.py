@@ -194,10 +194,12 @@ def test_attention_gemm_path_matches_float64_reference_at_gpt2_size(fdev, fdev_e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [37, 300])
+@pytest.mark.parametrize("T", [37, 300, 1030])
 def test_softmax_rows_warp_kernels_match_reference_and_repeat_bit_for_bit(fdev, rng, T):
-    # T=37: rows shorter than a warp, rows spanning two passes of the lanes; T=300: rows spanning several
-    # 128-element chunks, the last one partial; R*T rows, not a multiple of 8
+    # T=37: rows shorter than a warp, rows spanning two passes of the lanes (odd T: the scalar warp kernels);
+    # T=300: the paired kernels with the row in registers, some lanes' slots partly filled; T=1030: past the
+    # registers (T > 1024), the paired loop kernels, rows spanning several 128-word chunks, the last one
+    # partial; R*T rows, not a multiple of 8
     from llmz.kernels.attention import softmax_rows, softmax_rows_backward
     R = 3
     pre = rng.normal(size=(R, T, T)) * 3
@@ -222,7 +224,7 @@ def test_softmax_rows_warp_kernels_match_reference_and_repeat_bit_for_bit(fdev, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [64, 300])
+@pytest.mark.parametrize("T", [64, 300, 1030])
 def test_softmax_rows_pairs_kernels_leave_a_zero_upper_triangle_unwritten(fdev, rng, T):
     # upper_is_zero: the caller's buffer already holds +0.0 above the diagonal. The paired kernels (even T)
     # then write on and below it only: the same bits there as a full write, and a sentinel above it stays

@@ -170,6 +170,20 @@ def test_gelu_backward_kernel_on_bf16_is_the_rounded_float32_kernel_and_accumula
     assert_within_one_step(got, ref, atol=1e-6)
 
 
+def test_gelu_backward_kernel_on_bf16_overwrites_as_the_rounded_float32_kernel(kdev, rng):
+    x, dout = rand_bf16(rng, 105, 2.0), rand_bf16(rng, 105)
+    dinp = poisoned_bf16(kdev, 105)                 # overwrites: a read of dinp would leave NaN
+    gelu_backward(kdev, dinp, kdev.asarray(x), kdev.asarray(dout), accumulate=False)
+    dinp32 = kdev.full(105, np.nan, np.float32)
+    gelu_backward(kdev, dinp32, kdev.asarray(bf16_to_f32(x)), kdev.asarray(bf16_to_f32(dout)), accumulate=False)
+    got = kdev.to_host(dinp)
+    np.testing.assert_array_equal(got, f32_to_bf16(kdev.to_host(dinp32)))
+    ref = np.full(105, NAN_BF16, np.uint16)
+    gelu_backward_ref(ref, x, dout, accumulate=False)
+    # float32 results a few ulps apart: at most one bf16 step (1e-6 absolute where gelu' dout is tiny)
+    assert_within_one_step(got, ref, atol=1e-6)
+
+
 # ---- residual ---------------------------------------------------------------------------------------
 def test_residual_kernels_on_bf16_match_the_bf16_reference_bit_for_bit(kdev, rng):
     a, b, dout, s1, s2 = (rand_bf16(rng, SHAPE) for _ in range(5))

@@ -36,6 +36,7 @@ from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .bf16 import load, load_pair, pair_view, store, store_add, store_pair
 from .fill import zero
+from .gelu import loads_barrier
 from .gemm import Heads, gemm, gemm_heads
 from .norm import MAX_BLOCK, block_max, block_sum
 
@@ -563,6 +564,82 @@ def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
             _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), zero)
 
 
+# The paired kernels again with the row held in registers (T <= 2 * 32 * WORDS_PER_LANE = 1024: d12's
+# T): lane l loads words l, l+32, ..., l+480 of the row, the ones on or below the diagonal, every load issued
+# before any arithmetic. The loop kernels above wait for memory once per iteration of 128 words and read
+# the row twice (max and sum, then the write); these wait once per row and read it once. Each lane
+# combines its own values first (its max, then its sum against that max), then the lanes as above.
+WORDS_PER_LANE = 16
+VALUES_PER_LANE = 2 * WORDS_PER_LANE       # the elements of those words
+
+
+@cuda.jit
+def softmax_rows_pairs_regs_kernel(att, preatt, write_upper):
+    # att, preatt: (R,T,T/2) paired views, T <= 64 * WORDS_PER_LANE. As softmax_rows_pairs_kernel.
+    T = att.shape[1]
+    W = att.shape[2]
+    row, lane = _warp_row()
+    if row >= att.shape[0] * T:
+        return
+    r = row // T
+    t = row - r * T
+    ninf = numba.float32(-math.inf)
+    zero = numba.float32(0.0)
+    # the row on and below the diagonal, all loads in flight at once (-inf past it)
+    x = cuda.local.array(VALUES_PER_LANE, numba.float32)
+    for k in range(WORDS_PER_LANE):
+        x[2 * k], x[2 * k + 1] = _pair_at(preatt, r, t, lane + 32 * k, t, ninf)
+    loads_barrier()
+    # this lane's max, and its sum of exp(x - max) (a lane with no element: max -inf, sum 0)
+    m = ninf
+    for k in range(VALUES_PER_LANE):
+        m = max(m, x[k])
+    base = m if m != ninf else zero
+    s = zero
+    for k in range(VALUES_PER_LANE):
+        s += math.exp(x[k] - base)
+    # the row's max and 1 / sum, in every lane
+    m, inv = _warp_max_inv_sum(m, s)
+    # att = exp(x - max) / sum on and below the diagonal, 0 above (up to the diagonal's word, or all W)
+    end = W if write_upper else t // 2 + 1
+    for k in range(WORDS_PER_LANE):
+        w = lane + 32 * k
+        if w < end:
+            _tril_pair(att, r, t, w, math.exp(x[2 * k] - m) * inv, math.exp(x[2 * k + 1] - m) * inv, zero)
+
+
+@cuda.jit
+def softmax_rows_backward_pairs_regs_kernel(dpreatt, datt, att, write_upper):
+    # paired views (R,T,T/2), T <= 64 * WORDS_PER_LANE. As softmax_rows_backward_pairs_kernel.
+    T = att.shape[1]
+    W = att.shape[2]
+    row, lane = _warp_row()
+    if row >= att.shape[0] * T:
+        return
+    r = row // T
+    t = row - r * T
+    zero = numba.float32(0.0)
+    # att and datt on and below the diagonal, all loads in flight at once (0 past it)
+    a = cuda.local.array(VALUES_PER_LANE, numba.float32)
+    d = cuda.local.array(VALUES_PER_LANE, numba.float32)
+    for k in range(WORDS_PER_LANE):
+        a[2 * k], a[2 * k + 1] = _pair_at(att, r, t, lane + 32 * k, t, zero)
+        d[2 * k], d[2 * k + 1] = _pair_at(datt, r, t, lane + 32 * k, t, zero)
+    loads_barrier()
+    # sum over t2 <= t of att * datt: the lane's, then the row's
+    s = zero
+    for k in range(VALUES_PER_LANE):
+        s += a[k] * d[k]
+    total = _warp_total(s)
+    # dpreatt = att * (datt - total) on and below the diagonal, 0 above
+    end = W if write_upper else t // 2 + 1
+    for k in range(WORDS_PER_LANE):
+        w = lane + 32 * k
+        if w < end:
+            _tril_pair(dpreatt, r, t, w, a[2 * k] * (d[2 * k] - total), a[2 * k + 1] * (d[2 * k + 1] - total),
+                       zero)
+
+
 def _pairs_ok(*xs) -> bool:
     """The paired kernels apply: float32 or bf16 rows of even length (the views need it)."""
     return all(x.dtype in (np.float32, np.uint16) and x.shape[-1] % 2 == 0 for x in xs)
@@ -573,7 +650,8 @@ def softmax_rows(dev, att3, pre3, upper_is_zero: bool = False) -> None:
     the diagonal (a buffer zeroed once that only this function writes); the paired kernel then leaves it."""
     R, T, _ = att3.shape
     if dev.kind == "gpu" and _pairs_ok(att3, pre3):
-        dev.launch(softmax_rows_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
+        kernel = softmax_rows_pairs_regs_kernel if T <= 64 * WORDS_PER_LANE else softmax_rows_pairs_kernel
+        dev.launch(kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
                    pair_view(att3), pair_view(pre3), not upper_is_zero)
     elif dev.kind == "gpu":
         dev.launch(softmax_rows_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, att3, pre3)
@@ -585,7 +663,9 @@ def softmax_rows_backward(dev, dpre3, datt3, att3, upper_is_zero: bool = False) 
     """dpre3 = softmax backward of datt3 given att3, all (R,T,T); upper_is_zero for dpre3 as in softmax_rows."""
     R, T, _ = att3.shape
     if dev.kind == "gpu" and _pairs_ok(dpre3, datt3, att3):
-        dev.launch(softmax_rows_backward_pairs_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
+        kernel = (softmax_rows_backward_pairs_regs_kernel if T <= 64 * WORDS_PER_LANE
+                  else softmax_rows_backward_pairs_kernel)
+        dev.launch(kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
                    pair_view(dpre3), pair_view(datt3), pair_view(att3), not upper_is_zero)
     elif dev.kind == "gpu":
         dev.launch(softmax_rows_backward_warp_kernel, ceil_div(R * T, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK,
