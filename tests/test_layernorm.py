@@ -1,15 +1,18 @@
 """LayerNorm: the kernels against the NumPy reference, the reference against finite differences. The fast
 warp-per-row kernels (GPU only in the layer: the register kernels up to C = 1024, the loop kernels above) run in
-the simulator too, with an emulated warp shuffle; the dweight/dbias kernels (both paths) at odd geometries."""
+the simulator too, with an emulated warp shuffle; the dweight/dbias kernel (both paths) at odd geometries, in
+any block order (its stage 2 runs in each strip's last block), leaving its block counters at zero."""
 import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from test_reduce import run_blocks_in_order
 
 from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
 from llmz.device import ceil_div
+from llmz.kernels import layernorm
 from llmz.kernels.layernorm import (
     MAX_PER_LANE,
     ROWS_IN_FLIGHT,
@@ -17,8 +20,7 @@ from llmz.kernels.layernorm import (
     layernorm_backward,
     layernorm_backward_inp_warp_kernel,
     layernorm_backward_inp_warp_loop_kernel,
-    layernorm_backward_params_final_kernel,
-    layernorm_backward_params_partial_kernel,
+    layernorm_backward_params_kernel,
     layernorm_backward_ref,
     layernorm_forward,
     layernorm_forward_ref,
@@ -28,6 +30,17 @@ from llmz.kernels.layernorm import (
     warp_rows_geometry,
 )
 from llmz.kernels.reduce import colsum_geometry
+
+
+@pytest.fixture(autouse=True)
+def quick_barriers():
+    """The simulator's block manager busy-polls for every syncthreads: switching Python threads every 50 us
+    instead of every 5 ms makes the kernels' barriers several times faster (the warp kernels' 20 per block
+    with the emulated shuffle ~10x)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(interval)
 
 
 def make_inputs(rng, shape):
@@ -96,14 +109,17 @@ def test_layernorm_backward_kernel_gives_the_same_bits_twice(kdev, rng):
         got.append([kdev.to_host(g) for g in grads])
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
+    # each launch's last blocks reset their strips' counters (the second launch counted from zero)
+    counters = kdev.scratch("layernorm_params_count", ceil_div(45, 32), np.int32)
+    np.testing.assert_array_equal(kdev.to_host(counters), 0)
 
 
-# the two dweight/dbias stages alone, at geometries the layer does not pick. In the simulator (4 lanes):
+# the dweight/dbias kernel alone, at geometries the layer does not pick. In the simulator (4 lanes):
 # (90, 40, 40): two strips (the second 8 channels wide), 3 row chunks (the last 10 rows), 10 rows a thread in
 # stage 1 (a full batch of ROWS_IN_FLIGHT=8, then a partial one); (72, 20, 8): one partial strip, 2 rows a thread
 # (a partial batch), 9 partial sums for stage 2's 4 lanes (3, 2, 2, 2)
 @pytest.mark.parametrize("N, C, rows_per_block", [(90, 40, 40), (72, 20, 8)])
-def test_layernorm_params_kernels_match_reference_in_row_batches(kdev, rng, N, C, rows_per_block):
+def test_layernorm_params_kernel_matches_reference_in_row_batches(kdev, rng, N, C, rows_per_block):
     inp, weight, bias = make_inputs(rng, (N, C))
     _, mean, rstd = forward64(inp, weight, bias)
     dout = rng.normal(size=(N, C))
@@ -112,16 +128,53 @@ def test_layernorm_params_kernels_match_reference_in_row_batches(kdev, rng, N, C
     grid, block, R, rows = colsum_geometry(kdev, N, C, rows_per_block)
     assert R == ceil_div(N, rows_per_block) > 1 and ROWS_IN_FLIGHT == 8    # the batches counted above
     part_w, part_b = poisoned(kdev, (R, C), np.float64), poisoned(kdev, (R, C), np.float64)
+    counters = kdev.zeros(grid[0], np.int32)
     dweight, dbias = kdev.asarray(dweight0, np.float32), kdev.asarray(dbias0, np.float32)
-    kdev.launch(layernorm_backward_params_partial_kernel, grid, block, part_w, part_b,
+    kdev.launch(layernorm_backward_params_kernel, grid, block, dweight, dbias, part_w, part_b, counters,
                 *(kdev.asarray(a) for a in (dout, inp, mean, rstd)), rows)
-    kdev.launch(layernorm_backward_params_final_kernel, grid[0], block, dweight, dbias, part_w, part_b)
+    np.testing.assert_array_equal(kdev.to_host(counters), 0)           # reset by each strip's last block
     want = [np.zeros((N, C)), dweight0.copy(), dbias0.copy()]
     layernorm_backward_ref(*want, *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
     # each batch of 8 rows summed in float32, the batches, lanes and chunks in float64; float32 norm * dout and
     # the float32 store: a few ulps
     assert rel_err(kdev.to_host(dweight), want[1]) < 1e-6
     assert rel_err(kdev.to_host(dbias), want[2]) < 1e-6
+
+
+# (20, 40) in 3 chunks of 8 rows (the last 4), two strips: the strip's stage 2 in chunk 2's block (grid order),
+# chunk 0's (reversed) or any (shuffled); the same bits each time (the simulator runs blocks one at a time: what
+# is shown is that the result does not depend on which block counts last)
+def test_layernorm_params_kernel_bits_do_not_depend_on_which_block_finishes_last(kdev, rng, monkeypatch):
+    if kdev.kind != "sim":
+        pytest.skip("changes the simulator's block order")
+    N, C = 20, 40
+    inp, weight, bias = make_inputs(rng, (N, C))
+    _, mean, rstd = forward64(inp, weight, bias)
+    dout = rng.normal(size=(N, C)) * 10 ** rng.uniform(-3, 3, size=(N, 1))   # magnitudes apart: order shows
+    dout, inp, mean, rstd = (a.astype(np.float32) for a in (dout, inp, mean, rstd))
+    starts = [rng.normal(size=C).astype(np.float32) for _ in range(2)]
+    grid, block, R, rows = colsum_geometry(kdev, N, C)
+    part_w, part_b = kdev.zeros((R, C), np.float64), kdev.zeros((R, C), np.float64)
+    counters = kdev.zeros(grid[0], np.int32)
+    got, lasts = {}, {}
+    for order in ("grid", "reversed", "shuffled"):
+        monkeypatch.undo()
+        lasts[order] = run_blocks_in_order(monkeypatch, order, rng, [layernorm])
+        dweight, dbias = (kdev.asarray(a) for a in starts)
+        kdev.launch(layernorm_backward_params_kernel, grid, block, dweight, dbias, part_w, part_b, counters,
+                    *(kdev.asarray(a) for a in (dout, inp, mean, rstd)), rows)
+        got[order] = [kdev.to_host(dweight), kdev.to_host(dbias)]
+        np.testing.assert_array_equal(kdev.to_host(counters), 0)
+    assert R == 3 and sorted(lasts["grid"]) == [(0, 2), (1, 2)] and sorted(lasts["reversed"]) == [(0, 0), (1, 0)]
+    assert len(lasts["shuffled"]) == 2
+    for order in ("reversed", "shuffled"):
+        for a, b in zip(got["grid"], got[order]):
+            np.testing.assert_array_equal(a, b)
+    want = [a.astype(np.float64) for a in starts]
+    layernorm_backward_ref(np.zeros((N, C)), *want, *(a.astype(np.float64) for a in (dout, inp, weight, mean, rstd)))
+    # batches of 8 rows in float32, then float64; float32 products and stores: a few ulps
+    for a, w in zip(got["grid"], want):
+        assert rel_err(a, w) < 1e-6
 
 
 def test_layernorm_reference_backward_matches_finite_differences(rng):
@@ -167,7 +220,7 @@ def test_layernorm_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
     layernorm_backward_ref(*want, *(a.astype(np.float64) for a in (dout, inp, weight, mean_h, rstd_h)))
     errs.update({name: rel_err(kdev.to_host(a), r)
                  for name, a, r in zip(("dinp", "dweight", "dbias"), (dinp, dweight, dbias), want)})
-    # timing of backward, after compilation (the three launches: rows, then dweight/dbias in two stages)
+    # timing of backward, after compilation (the two launches: rows, then dweight/dbias)
     reps = 20
     args = [kdev.asarray(a) for a in (dout, inp, weight)]
     kdev.synchronize()
@@ -203,12 +256,7 @@ def wdev(kdev, monkeypatch):
         self.syncthreads()
         return other
     monkeypatch.setattr(FakeCUDAModule, "shfl_xor_sync", shfl_xor_sync, raising=False)
-    # the simulator's block manager busy-polls for the barrier: switching threads every 50 us instead of
-    # every 5 ms makes the 20 barriers per block here ~10x faster
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
     yield kdev
-    sys.setswitchinterval(interval)
 
 
 def warp_geometry(dev, rows):
@@ -320,7 +368,7 @@ def test_layernorm_warp_kernels_match_float64_reference_and_repeat_bits_on_gpu(k
     errs.update({name: rel_err(a, r) for name, a, r in zip(("dinp", "dweight", "dbias"), grads[0], want)})
     for a, b2 in zip(*grads):
         np.testing.assert_array_equal(a, b2)
-    # time each kernel alone: the layer's warp kernels, then the two dweight/dbias stages
+    # time each kernel alone: the layer's warp kernels, then the dweight/dbias kernel (both stages)
     forward_kernel, backward_kernel = warp_kernels(C)
     grid, block = warp_rows_geometry(N)
     ms_f = gpu_ms_per_call(kdev, lambda: kdev.launch(forward_kernel, grid, block, out, mean, rstd, x, w, b))
@@ -328,18 +376,16 @@ def test_layernorm_warp_kernels_match_float64_reference_and_repeat_bits_on_gpu(k
     ms_b = gpu_ms_per_call(kdev, lambda: kdev.launch(backward_kernel, grid, block, dinp, dy, x, w, mean, rstd))
     pgrid, pblock, R, rows = colsum_geometry(kdev, N, C)
     part_w, part_b = kdev.zeros((R, C), np.float64), kdev.zeros((R, C), np.float64)
+    counters = kdev.zeros(pgrid[0], np.int32)
     dweight, dbias = kdev.asarray(starts[1]), kdev.asarray(starts[2])
-    ms_p1 = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_params_partial_kernel, pgrid, pblock,
-                                                      part_w, part_b, dy, x, mean, rstd, rows))
-    ms_p2 = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_params_final_kernel, pgrid[0], pblock,
-                                                      dweight, dbias, part_w, part_b))
+    ms_p = gpu_ms_per_call(kdev, lambda: kdev.launch(layernorm_backward_params_kernel, pgrid, pblock, dweight,
+                                                     dbias, part_w, part_b, counters, dy, x, mean, rstd, rows))
     gb_f = (2 * N * C * 4) / ms_f / 1e6                 # read inp once from DRAM, write out
     gb_b = (4 * N * C * 4) / ms_b / 1e6                 # read dout, inp, dinp; write dinp
-    gb_p = (2 * N * C * 4) / ms_p1 / 1e6                # read dout, inp
+    gb_p = (2 * N * C * 4) / ms_p / 1e6                 # read dout, inp
     print(f"layernorm warp kernels N={N} C={C} ({forward_kernel.py_func.__name__}): worst relative error "
           f"{max(errs.values()):.2e} {errs}; forward {ms_f:.4f} ms ({gb_f:.0f} GB/s), backward dinp {ms_b:.4f} ms "
-          f"({gb_b:.0f} GB/s), dweight/dbias stage 1 {ms_p1:.4f} ms ({gb_p:.0f} GB/s), stage 2 {ms_p2:.4f} ms "
-          f"({R} partials) per call")
+          f"({gb_b:.0f} GB/s), dweight/dbias {ms_p:.4f} ms ({gb_p:.0f} GB/s; stage 2 over {R} partials) per call")
     # lane sums in float32 over <= 32 values then float64 (registers; float64 throughout in the loop kernels),
     # float32 inputs and stores: a few ulps per element (a NumPy model of the register kernels at d12's size:
     # 6e-8); dweight, dbias: batches of 8 rows in float32, then float64; 1e-6 leaves a wide margin

@@ -1,4 +1,8 @@
-"""Column sums: the two-stage kernel against the NumPy reference; deterministic; sizes off the chunk grid."""
+"""Column sums: the two-stage kernel against the NumPy reference; deterministic; sizes off the chunk grid;
+stage 2 in each strip's last block whichever block that is (the simulator's block order changed), the block
+counters left at zero."""
+import sys
+import threading
 import time
 
 import numpy as np
@@ -6,7 +10,19 @@ import pytest
 
 from helpers import poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.kernels.reduce import colsum_geometry, column_sum, column_sum_ref
+from llmz.device import ceil_div
+from llmz.kernels import reduce
+from llmz.kernels.reduce import colsum_geometry, column_sum, column_sum_kernel, column_sum_ref
+
+
+@pytest.fixture(autouse=True)
+def quick_barriers():
+    """The simulator's block manager busy-polls for every syncthreads: switching Python threads every 50 us
+    instead of every 5 ms makes the kernels' barriers (5 a block here) several times faster."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(interval)
 
 
 def test_column_sum_reference_matches_plain_sums(rng):
@@ -113,6 +129,89 @@ def test_column_sum_kernel_adds_in_the_documented_fixed_order(kdev, rng, rows_pe
     np.testing.assert_array_equal(kdev.to_host(out), want)
 
 
+# rows_per_block 8 (the simulator's chunk): R = 5, the last chunk 5 rows; 64: R = 1, the only block is the last
+@pytest.mark.parametrize("rows_per_block", [8, 64])
+def test_column_sum_kernel_twice_in_a_row_is_right_and_leaves_the_counters_zero(kdev, rng, rows_per_block):
+    N, C = 37, 45                                    # two strips, the second 13 columns wide
+    grid, block, R, rows = colsum_geometry(kdev, N, C, rows_per_block)
+    assert R == ceil_div(N, rows_per_block) and grid[0] == 2
+    partial = poisoned(kdev, (R, C), np.float64)
+    counters = kdev.zeros(grid[0], np.int32)
+    # the second launch (other x, overwriting a poisoned out) counts from the zero the first one left
+    for accumulate in (True, False):
+        x = rng.normal(size=(N, C))
+        start = rng.normal(size=C) if accumulate else np.full(C, np.nan)
+        out = kdev.asarray(start)
+        kdev.launch(column_sum_kernel, grid, block, out, partial, counters, kdev.asarray(x), rows, accumulate)
+        want = start.copy() if accumulate else np.zeros(C)
+        column_sum_ref(want, x)
+        # float64 throughout, only the summation order differs
+        assert rel_err(kdev.to_host(out), want) < 1e-14
+        np.testing.assert_array_equal(kdev.to_host(counters), 0)
+
+
+def run_blocks_in_order(monkeypatch, order, rng, modules):
+    """In the simulator, which runs a launch's blocks one at a time in grid order: from now on (until
+    monkeypatch undoes it) run them in `order`: "grid", "reversed", or "shuffled" (a permutation from rng).
+    Returns a list that collects the (blockIdx.x, blockIdx.y) of every block whose last_in_strip answered True,
+    as seen through the given kernel modules (the simulator looks the device function up at call time)."""
+    from numba.cuda.simulator import kernel as simulator
+
+    def ndindex(*shape):
+        points = list(np.ndindex(*shape))
+        if order == "reversed":
+            return points[::-1]
+        return [points[i] for i in rng.permutation(len(points))] if order == "shuffled" else points
+
+    class NumpyWithOrder:
+        def __getattr__(self, name):
+            return getattr(np, name)
+    numpy_with_order = NumpyWithOrder()
+    numpy_with_order.ndindex = ndindex
+    # the grid's blocks (and each block's threads, started in the same order: they run concurrently anyway)
+    monkeypatch.setattr(simulator, "np", numpy_with_order)
+    last_blocks = []
+    last_in_strip = reduce.last_in_strip
+
+    def recording(flag, counters):
+        last = last_in_strip(flag, counters)
+        t = threading.current_thread()
+        if last and t.threadIdx.x == 0 and t.threadIdx.y == 0:
+            last_blocks.append((t.blockIdx.x, t.blockIdx.y))
+        return last
+    for module in modules:
+        monkeypatch.setattr(module, "last_in_strip", recording)
+    return last_blocks
+
+
+# (37,45) in 5 chunks of 8 rows, two strips: the last block of each strip is chunk 4 in grid order, chunk 0 in
+# reversed order, any chunk shuffled; the sums are the same bits, the documented order's (the simulator runs
+# blocks one at a time, so a block never sees another one half done: what is shown here is that the result
+# does not depend on which block counts last)
+def test_column_sum_kernel_bits_do_not_depend_on_which_block_finishes_last(kdev, rng, monkeypatch):
+    if kdev.kind != "sim":
+        pytest.skip("changes the simulator's block order")
+    N, C = 37, 45
+    x = rng.normal(size=(N, C)) * 10 ** rng.uniform(-3, 3, size=(N, 1))   # magnitudes apart: order shows
+    start = rng.normal(size=C)
+    grid, block, R, rows = colsum_geometry(kdev, N, C)
+    got, lasts = {}, {}
+    for order in ("grid", "reversed", "shuffled"):
+        monkeypatch.undo()
+        lasts[order] = run_blocks_in_order(monkeypatch, order, rng, [reduce])
+        out = kdev.asarray(start)
+        column_sum(kdev, out, kdev.asarray(x))
+        got[order] = kdev.to_host(out)
+    assert sorted(lasts["grid"]) == [(0, R - 1), (1, R - 1)]
+    assert sorted(lasts["reversed"]) == [(0, 0), (1, 0)]
+    assert len(lasts["shuffled"]) == 2
+    partial = np.stack([lanes_model(x, y * rows, min((y + 1) * rows, N), block[1]) for y in range(R)])
+    want = start + lanes_model(partial, 0, R, block[1])
+    for bits in got.values():
+        np.testing.assert_array_equal(bits, want)
+    np.testing.assert_array_equal(kdev.to_host(kdev.scratch("colsum_count", grid[0], np.int32)), 0)
+
+
 def test_colsum_geometry_covers_every_row_and_column(kdev):
     grid, block, R, rows = colsum_geometry(kdev, 37, 45)
     assert grid[0] * block[0] >= 45 and grid[1] == R and R * rows >= 37 > (R - 1) * rows
@@ -137,6 +236,6 @@ def test_column_sum_kernel_matches_float64_reference_at_gpt2_size(kdev, rng):
         column_sum(kdev, out, xd, accumulate=False)
     kdev.synchronize()
     ms = (time.perf_counter() - t0) / reps * 1e3
-    print(f"column_sum N={N} C={C}: worst relative error {err:.2e}, {ms:.3f} ms per call (2 launches)")
+    print(f"column_sum N={N} C={C}: worst relative error {err:.2e}, {ms:.3f} ms per call (1 launch)")
     # float64 sums of 16384 float32 values, one float32 rounding at the end
     assert err < 1e-6

@@ -9,14 +9,17 @@
 Kernels (the teaching versions):
   forward          one block per row; threads stride over C; two shared-memory reductions (mean, then variance)
   backward, rows   one block per row; two shared-memory reductions (the two means above), then dinp += ...
-  backward, params two stages (reduce.py's column-sum pattern): stage 1, grid (ceil(C/32), ceil(N/256)),
-                   each block sums norm*dout and dout over a chunk of rows for a strip of 32 channels into two
-                   float64 (R,C) scratch buffers; stage 2, the same blocks over the R partials, each lane adding
-                   its partials in order, then the lanes in order (reduce.column_total).
+  backward, params two stages in one launch (reduce.py's column-sum pattern): stage 1, grid (ceil(C/32),
+                   ceil(N/256)), each block sums norm*dout and dout over a chunk of rows for a strip of 32
+                   channels into two float64 (R,C) scratch buffers; stage 2, in the last block of each strip to
+                   finish (reduce.last_in_strip), over the strip's R partials, each lane adding its partials in
+                   order, then the lanes in order (reduce.column_total).
                    Stage 1's threads load ROWS_IN_FLIGHT = 8 rows (inp, dout, mean, rstd) before adding them
                    (the batch in the compute dtype, the batches in float64); before, one load then one add per
                    row waited a memory latency per row, and stage 2 was one thread per channel over all R
-                   partials (d12 bf16, 25 calls a step: stage 1 2.18 ms, stage 2 1.28 ms; after: not measured yet).
+                   partials (d12 bf16, 25 calls a step: stage 1 2.18 ms, stage 2 1.28 ms); then stage 2 in a
+                   second launch of (32 x 8)-thread blocks, 0.82 ms in 25 calls (33 us each; after: not measured
+                   yet).
 Fast versions, GPU only (the simulator has no warp shuffles; it runs the teaching versions above):
   forward, warp    one WARP per row, 4 rows per block, the row held in registers: lane l loads channels l, l+32,
                    ... (at most MAX_PER_LANE = 32 of them: C <= 1024) into a local array the compiler keeps in
@@ -59,6 +62,7 @@ from .reduce import (
     MAX_LANES,
     colsum_geometry,
     column_total,
+    last_in_strip,
     stage_rows,
     strip_partial,
 )
@@ -69,7 +73,7 @@ FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in the shuffle
 # the register kernels: channels per lane (C <= 32 * 32 = 1024: d12, d24), warps (rows) per block
 MAX_PER_LANE = 32
 WARPS_PER_BLOCK = 4
-# rows a stage-1 thread of the dweight/dbias kernels loads before adding them (reduce.sum_rows, which stage 2
+# rows a stage-1 thread of the dweight/dbias kernel loads before adding them (reduce.sum_rows, which stage 2
 # uses, loads 8 at a time too)
 ROWS_IN_FLIGHT = 8
 
@@ -198,12 +202,16 @@ def layernorm_backward_inp_kernel(dinp, dout, inp, weight, mean, rstd):
 
 
 @cuda.jit
-def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rstd, rows_per_block):
-    """part_w, part_b: (R,C) float64; dout, inp: (N,C); mean, rstd: (N,). Stage 1, grid (ceil(C/32), R),
-    block (32, lanes): block (x, y) sums rows [y*rows_per_block, (y+1)*rows_per_block) of channels
-    [32x, 32x+32). Overwrites part_w[y], part_b[y] there."""
+def layernorm_backward_params_kernel(dweight, dbias, part_w, part_b, counters, dout, inp, mean, rstd,
+                                     rows_per_block):
+    """dweight, dbias: (C,); part_w, part_b: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and
+    left zero); dout, inp: (N,C); mean, rstd: (N,). Grid (ceil(C/32), R), block (32, lanes): block (x, y) sums
+    rows [y*rows_per_block, (y+1)*rows_per_block) of channels [32x, 32x+32) and overwrites part_w[y], part_b[y]
+    there; the last block of strip x to finish adds the strip's R partials, lane y partial rows y, y+lanes,
+    ... in order, then the lanes in order. Accumulates (+=) into dweight, dbias."""
     N, C = inp.shape
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    flag = cuda.shared.array(1, numba.int32)
     x = cuda.local.array(ROWS_IN_FLIGHT, inp.dtype)
     g = cuda.local.array(ROWS_IN_FLIGHT, dout.dtype)
     m = cuda.local.array(ROWS_IN_FLIGHT, mean.dtype)
@@ -234,17 +242,10 @@ def layernorm_backward_params_partial_kernel(part_w, part_b, dout, inp, mean, rs
     # the block's lanes, in order
     strip_partial(buf, acc_w, part_w, c)
     strip_partial(buf, acc_b, part_b, c)
-
-
-@cuda.jit
-def layernorm_backward_params_final_kernel(dweight, dbias, part_w, part_b):
-    """dweight, dbias: (C,); part_w, part_b: (R,C) float64. Stage 2, grid ceil(C/32), block (32, lanes), as
-    reduce.column_sum_final_kernel: lane y adds partial rows y, y+lanes, ... in order, then the lanes are added
-    in order. Accumulates (+=) into dweight, dbias."""
-    C = part_w.shape[1]
-    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    # both columns' partials, lane by lane in order; lane 0 adds them into dweight[c], dbias[c]
+    # stage 2, in the strip's last block only: both channels' partials, lane by lane in order; lane 0 adds
+    # them into dweight[c], dbias[c]
+    if not last_in_strip(flag, counters):
+        return
     s_w = column_total(buf, part_w, c)
     s_b = column_total(buf, part_b, c)
     if cuda.threadIdx.y == 0 and c < C:
@@ -457,10 +458,10 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
         dev.launch(warp_kernels(C)[1], *warp_rows_geometry(rows), *args)
     else:
         dev.launch(layernorm_backward_inp_kernel, rows, bs, *args)
-    # dweight, dbias: partial sums over chunks of rows, then the chunks in order
+    # dweight, dbias: partial sums over chunks of rows, then (each strip's last block) the chunks in order
     grid, block, R, chunk = colsum_geometry(dev, rows, C)
     part_w = dev.scratch("layernorm_dweight", (R, C), np.float64)
     part_b = dev.scratch("layernorm_dbias", (R, C), np.float64)
-    dev.launch(layernorm_backward_params_partial_kernel, grid, block,
-               part_w, part_b, dout2, inp2, mean1, rstd1, chunk)
-    dev.launch(layernorm_backward_params_final_kernel, grid[0], block, dweight, dbias, part_w, part_b)
+    counters = dev.scratch("layernorm_params_count", grid[0], np.int32)
+    dev.launch(layernorm_backward_params_kernel, grid, block,
+               dweight, dbias, part_w, part_b, counters, dout2, inp2, mean1, rstd1, chunk)

@@ -1,30 +1,35 @@
 """Column sums over many rows, deterministic and parallel: out (C,) (+)= x (N,C) summed over the N rows.
 
 One thread per column looping over all N rows (the teaching version, see matmul_dbias_kernel) is
-deterministic but latency-bound: only C threads, each N dependent adds. The two-stage version here:
+deterministic but latency-bound: only C threads, each N dependent adds. The two-stage version here, one launch:
   stage 1  grid (ceil(C/32), R): block (x, y) takes a strip of COLSUM_STRIP = 32 columns and a chunk of
            rows_per_block rows, R = ceil(N / rows_per_block). Its threads are (32 columns) x (lanes):
            threadIdx.x is the column, so a warp reads 32 consecutive elements of one row (coalesced);
            lane threadIdx.y takes rows y, y+lanes, ... of the chunk. Each thread sums in float64, the
            lanes are added in lane order in shared memory and the block writes partial[y, 32x:32x+32],
            a float64 (R, C) scratch buffer.
-  stage 2  grid ceil(C/32), the same (32 columns) x (lanes) blocks over partial: lane y sums partial rows
+  stage 2  in the block that finishes its strip last (last_in_strip, the "last block" of CUDA's
+           threadFenceReduction sample: each block counts itself on an int32 counter per strip, and the one
+           that counts R reads the strip's R partials and resets the counter to 0): lane y sums partial rows
            y, y+lanes, ... in order, the lanes are added in lane order and the sum added into (or written
-           to) out[c].
+           to) out[c]. Which block that is changes from run to run; what it adds, and in which order, does not.
 Every thread's loop over its rows (sum_rows) issues its loads ROW_LOADS = 8 at a time and then adds the
 eight in row order: eight loads in flight per thread, the adds in the order of a plain loop. (Before, bf16 on
 the H200: stage 1 ran at 812 GB/s with the four loads in flight the compiler's own unrolling gave it, 16 KB
-per SM at 2 bytes a load; stage 2 was one thread per column summing all R partials in 3 to 12 blocks, 33 us per call.)
+per SM at 2 bytes a load; stage 2 was one thread per column summing all R partials in 3 to 12 blocks, 33 us
+per call; then a second launch of 24 to 96 blocks over the partials, column_sum_final_kernel, 16 us per call,
+0.79 ms in 48 calls of a d12 bf16 step at B=16, plus a dependent launch's gap in the CUDA graph. After: not
+measured yet.)
 The order of every add depends only on N, C, rows_per_block and lanes (fixed per device kind): the same
-bits every run, no atomics. At N=16384 rows, C=768: stage 1 24 x 64 blocks of 256 threads, stage 2 24
-blocks of 256 threads, each lane summing 8 of the 64 partials.
+bits every run, no float atomics (the only atomic counts blocks). At N=16384 rows, C=768: 24 x 64 blocks
+of 256 threads, the last of each strip's 64 also summing the 64 partials, 8 per lane.
 
 x and out may be float32, float64 or uint16 (bf16 bits; read through llmz.kernels.bf16's load, out written
 through store / store_add: the float64 sum added to out's value, rounded to float32 then to nearest bf16);
 the partial sums stay float64.
 
 Other kernels with the same shape of problem (layernorm's dweight and dbias) reuse the pieces: colsum_geometry
-for the launch, stage_rows / sum_rows / strip_partial in their own stage-1 kernel, column_total in their stage 2.
+for the launch, stage_rows / sum_rows / strip_partial for stage 1, last_in_strip and column_total for stage 2.
 """
 import numba
 import numpy as np
@@ -42,8 +47,9 @@ COLSUM_STRIP = 32
 # 2048 threads = 8 such blocks each, 1056 blocks resident at once):
 #   stage 1  R = 16384/256 = 64 chunks: 1536, 4608, 6144 blocks (1.5 to 6 waves of 1056); each thread sums
 #            256/8 = 32 rows, 4 trips of 8 loads in flight
-#   stage 2  64 partials per column over 8 lanes: 8 per lane, one trip of 8 loads, then 8 lane adds; the
-#            partials (64 x C float64: 0.4 to 1.6 MB, in L2) cost 3% of stage 1's bf16 reads
+#   stage 2  64 partials per column over 8 lanes: 8 per lane, one trip of 8 loads, then 8 lane adds, in 24,
+#            72 or 96 blocks (the last of each strip); the partials (64 x C float64: 0.4 to 1.6 MB, in L2)
+#            cost 3% of stage 1's bf16 reads
 # Fewer rows per block would mean more partials (stage 2 and the scratch grow); more rows per block, fewer
 # blocks than 2 waves at C=768. layernorm's parameter gradients use the same geometry.
 COLSUM_ROWS, COLSUM_LANES = 256, 8
@@ -69,8 +75,8 @@ def column_sum_ref(out, x, accumulate=True):
 
 # ---- the pieces a two-stage kernel is built from ----------------------------------------------------
 def colsum_geometry(dev, N: int, C: int, rows_per_block: int | None = None):
-    """Stage 1's launch for N rows and C columns: (grid, block, R, rows_per_block); the partial-sum
-    scratch is (R, C) float64. R >= 1, so N = 0 gives one block of zero sums."""
+    """The launch for N rows and C columns: (grid, block, R, rows_per_block); the partial-sum scratch is
+    (R, C) float64, the counters (grid[0],) int32. R >= 1, so N = 0 gives one block of zero sums."""
     sim = dev.kind == "sim"
     rows = rows_per_block or (COLSUM_ROWS_SIM if sim else COLSUM_ROWS)
     lanes = COLSUM_LANES_SIM if sim else COLSUM_LANES
@@ -150,6 +156,33 @@ def strip_partial(buf, acc, partial, c):
 
 
 @cuda.jit(device=True)
+def last_in_strip(flag, counters):
+    """Every thread of a stage-1 block calls this right after strip_partial (its lane-0 threads wrote the
+    block's partial sums). Counts the block on counters[blockIdx.x] (int32, 0 before the strip's first block
+    counts) and returns, in every thread, whether this block is the strip's last of gridDim.y to count; that
+    block resets the counter to 0 (the next launch, or the next replay of a CUDA graph, starts from 0), and
+    its threads then see every block's partial sums of the strip. flag: shared (1,) int32."""
+    # release: the writers fence their partial sums before the block is counted (fence, barrier, count)
+    if cuda.threadIdx.y == 0:
+        cuda.threadfence()
+    cuda.syncthreads()
+    # one thread counts the block; the strip's R-th count is its last block
+    if cuda.threadIdx.x == 0 and cuda.threadIdx.y == 0:
+        last = cuda.atomic.add(counters, cuda.blockIdx.x, 1) == cuda.gridDim.y - 1
+        if last:
+            counters[cuda.blockIdx.x] = 0
+            # acquire: this fence, after the count that saw the other blocks' counts and before the barrier
+            # that passes the answer on, makes the block's reads see the partials those blocks wrote before
+            # their fence and count (in hardware it also drops stale L1 lines: a last block of the
+            # neighbouring strip that ran on this SM may have read a 128-byte line this strip shares, when
+            # C is not a multiple of 16)
+            cuda.threadfence()
+        flag[0] = 1 if last else 0
+    cuda.syncthreads()
+    return flag[0] != 0
+
+
+@cuda.jit(device=True)
 def column_total(buf, partial, c):
     """Stage 2 in a (32 columns) x (lanes) block: returns, in lane 0, the float64 sum of partial[0:R, c], lane
     y adding rows y, y+lanes, ... in order, then the lanes in order (any value where c is out of range: the
@@ -162,27 +195,21 @@ def column_total(buf, partial, c):
 
 # ---- Numba kernels ------------------------------------------------------------------------------
 @cuda.jit
-def column_sum_partial_kernel(partial, x, rows_per_block):
-    """partial: (R,C) float64; x: (N,C). Stage 1, grid (ceil(C/32), R), block (32, lanes).
-    Overwrites partial[blockIdx.y, columns of this strip]."""
+def column_sum_kernel(out, partial, counters, x, rows_per_block, accumulate):
+    """out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and left zero);
+    x: (N,C). Grid (ceil(C/32), R), block (32, lanes). Overwrites partial[blockIdx.y, columns of this strip];
+    the last block of each strip accumulates (+=) the strip's sums into out (accumulate False: overwrites)."""
     N, C = x.shape
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    flag = cuda.shared.array(1, numba.int32)
     c, first, end, step = stage_rows(N, rows_per_block)
-    # this thread's rows of the chunk, in order, in float64 (a column past the end sums column C-1, so the
-    # whole warp goes through sum_rows; strip_partial drops it)
+    # stage 1: this thread's rows of the chunk, in order, in float64 (a column past the end sums column C-1,
+    # so the whole warp goes through sum_rows; strip_partial drops it), then the block's lanes in order
     acc = sum_rows(x, min(c, C - 1), first, end, step)
-    # the block's lanes, in order
     strip_partial(buf, acc, partial, c)
-
-
-@cuda.jit
-def column_sum_final_kernel(out, partial, accumulate):
-    """out: (C,); partial: (R,C) float64. Stage 2, grid ceil(C/32), block (32, lanes). Accumulates (+=) into
-    out (accumulate False: overwrites)."""
-    C = partial.shape[1]
-    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    # the column's partials, lane by lane in order; lane 0 writes out[c]
+    # stage 2, in the strip's last block only: the column's partials, lane by lane in order; lane 0 writes out[c]
+    if not last_in_strip(flag, counters):
+        return
     s = column_total(buf, partial, c)
     if cuda.threadIdx.y == 0 and c < C:
         if accumulate:
@@ -194,12 +221,13 @@ def column_sum_final_kernel(out, partial, accumulate):
 # ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
 def column_sum(dev, out, x, accumulate: bool = True, rows_per_block: int | None = None) -> None:
     """out: (C,); x: (..., C). Accumulates (+=) the column sums of x into out (accumulate=False: overwrites).
-    Uses dev.scratch("colsum", (R, C), float64) for the partial sums."""
+    Uses dev.scratch("colsum", (R, C), float64) for the partial sums and dev.scratch("colsum_count",
+    (ceil(C/32),), int32) for the blocks counted per strip (zero between launches)."""
     if not dev.kernels:
         return column_sum_ref(out, x, accumulate)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     grid, block, R, rows = colsum_geometry(dev, x2.shape[0], C, rows_per_block)
     partial = dev.scratch("colsum", (R, C), np.float64)
-    dev.launch(column_sum_partial_kernel, grid, block, partial, x2, rows)
-    dev.launch(column_sum_final_kernel, grid[0], block, out, partial, bool(accumulate))
+    counters = dev.scratch("colsum_count", grid[0], np.int32)
+    dev.launch(column_sum_kernel, grid, block, out, partial, counters, x2, rows, bool(accumulate))
