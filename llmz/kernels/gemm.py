@@ -239,6 +239,11 @@ class Heads:
         self.ld, self.rows, self.cols, self.B, self.NH = ld, rows, cols, B, NH
         self.key = (array.data.ptr, offset, stride_b, stride_h, B, NH, array.dtype.itemsize)
 
+    def part(self, row0: int, rows: int, col0: int, cols: int) -> "Heads":
+        """The rows x cols block of every matrix starting at (row0, col0)."""
+        return Heads(self.array, self.offset + row0 * self.ld + col0, self.stride_b, self.stride_h, self.ld,
+                     rows, cols, self.B, self.NH)
+
     def pointers(self, dev, cb: "_Cublas") -> int:
         """The device array of the B*NH matrices' addresses (made on the first call: the warm-up step)."""
         ptrs = cb.pointers.get(self.key)
