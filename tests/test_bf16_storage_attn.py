@@ -170,10 +170,10 @@ def test_softmax_rows_block_kernels_on_bf16_are_the_float32_kernels_rounded(kdev
 
 
 # ---- matmul bias, the tiled product ----------------------------------------------------------------------
-@pytest.mark.parametrize("N", [3, 9])
+@pytest.mark.parametrize("N", [3, 40])
 def test_matmul_bias_fill_kernel_on_bf16_is_the_float32_kernel_rounded(kdev, rng, N):
-    # OC = 37: past the 32-thread block; N = 3: fewer rows than one thread's 4, N = 9: 3 row blocks, the last
-    # thread's rows 2, 5, 8 and 11 (past the end). A copy: bf16 in, the same bits out
+    # OC = 37: past the 32-thread block; N = 3: fewer rows than one thread's 32, N = 40: 2 row blocks, the
+    # last thread's second row past the end. A copy: bf16 in, the same bits out
     OC = 37
     grid = bias_grid(kdev, N, OC)
     check(kdev, matmul_bias_fill_kernel, grid, kdev.block_size, [poison((N, OC)), rand_bf16(rng, OC)], [0])

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from helpers import finite_diff, poisoned, rel_err
+from llmz.kernels.bf16 import pair_view
 from llmz.kernels.matmul import (
     bias_grid,
     gemm_tiled,
@@ -46,9 +47,10 @@ def test_matmul_forward_kernel_is_exact_in_float64(kdev, rng):
     assert rel_err(kdev.to_host(out), ref) < 1e-14
 
 
-# the bias fill: each thread writes 4 rows a grid apart, one column. N = 1: fewer rows than one thread's 4;
-# N = 9: the last thread's 4th row is past the end; OC = 37: past the 32-thread block
-@pytest.mark.parametrize("N", [1, 9])
+# the bias fill: each thread writes up to FILL_ROWS = 32 rows a grid apart, one column. N = 1 and 9: fewer
+# rows than one thread's 32; N = 70: three row blocks, the last thread's third row past the end; OC = 37:
+# past the 32-thread block
+@pytest.mark.parametrize("N", [1, 9, 70])
 def test_matmul_bias_fill_kernel_writes_the_bias_into_every_row(kdev, rng, N):
     OC = 37
     bias = rng.normal(size=OC).astype(np.float32)
@@ -56,6 +58,24 @@ def test_matmul_bias_fill_kernel_writes_the_bias_into_every_row(kdev, rng, N):
     kdev.launch(matmul_bias_fill_kernel, bias_grid(kdev, N, OC), kdev.block_size, out, kdev.asarray(bias))
     # a copy: bit-exact (a missed element keeps its NaN)
     np.testing.assert_array_equal(kdev.to_host(out), np.broadcast_to(bias, (N, OC)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+def test_matmul_bias_fill_kernel_on_paired_views_copies_the_bias_bits(kdev, rng, dtype):
+    # the GPU layer's path: out and bias as words of two elements (float32 as uint64, bf16 as uint32)
+    N, OC = 9, 38
+    # bf16: random finite bit patterns (below 0x7F80, the exponent of inf/NaN)
+    bias = rng.integers(0, 0x7F80, size=OC, dtype=np.uint16) if dtype == np.uint16 else \
+        rng.normal(size=OC).astype(np.float32)
+    out = kdev.asarray(np.full((N, OC), 0xFFFF, np.uint16) if dtype == np.uint16 else np.full((N, OC), np.nan,
+                                                                                            np.float32))
+    words = pair_view(out)
+    kdev.launch(matmul_bias_fill_kernel, bias_grid(kdev, *words.shape), kdev.block_size, words,
+                pair_view(kdev.asarray(bias)))
+    # every row the bias's bits (a missed word keeps its poison)
+    np.testing.assert_array_equal(kdev.to_host(out).view(np.uint16 if dtype == np.uint16 else np.uint32),
+                                  np.broadcast_to(bias.view(np.uint16 if dtype == np.uint16 else np.uint32),
+                                                  (N, OC)))
 
 
 def test_matmul_backward_kernel_overwrites_dinp_when_asked(kdev, rng):
