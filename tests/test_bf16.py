@@ -2,14 +2,25 @@
 zeros, subnormals, ties and overflow included); stochastic rounding unbiased and reproducible; small gradients
 lost by round-to-nearest accumulation and kept by stochastic rounding; the bf16 ZeRO-2 accumulate and AdamW
 kernels against their references."""
+import types
+
 import numpy as np
 import pytest
 
 from helpers import rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic, random_u32
+from llmz.device import ceil_div
 from llmz.kernels.accumulate import accumulate_shard_bf16, accumulate_shard_bf16_ref
-from llmz.kernels.adamw import adamw_update, adamw_update_bf16, adamw_update_bf16_ref, adamw_update_ref
-from llmz.kernels.bf16 import from_bf16, to_bf16
+from llmz.kernels.adamw import (
+    adamw_bf16_kernel,
+    adamw_bf16_pairs_kernel,
+    adamw_update,
+    adamw_update_bf16,
+    adamw_update_bf16_ref,
+    adamw_update_ref,
+)
+from llmz.kernels.bf16 import from_bf16, hash_args, pair_view, to_bf16
+from llmz.kernels.gelu import elementwise_blocks
 
 SEED = 1234
 BETA1, BETA2, EPS, WD = 0.9, 0.95, 1e-8, 0.1
@@ -351,6 +362,83 @@ def test_adamw_bf16_reference_tracks_float64_adamw(rng):
     assert np.all(np.abs(bf16_to_f32(params) - master) <= 2.0**-7 * np.abs(master))
 
 
+def adamw_bf16_both(dev, state, g, decay, scalars, stochastic, offset):
+    """One AdamW step by the scalar kernel and by the paired kernel (launched directly: the layer takes the
+    pairs only on a GPU), each on its own copy of state = (params, master, m, v), params poisoned with the bf16
+    NaN (only written). Returns [params, master, m, v] of each, on the host."""
+    n = g.size
+    seed, _, off = hash_args(SEED, 0, offset)
+    args = (decay, dev.asarray(scalars), BETA1, BETA2, EPS, WD, stochastic, seed, off)
+    results = []
+    for pairs in (False, True):
+        params = dev.full(n, 0x7FC0, np.uint16)
+        master, m, v = (dev.asarray(a) for a in state[1:])
+        arrays = (params, master, dev.asarray(g), m, v)
+        if pairs:
+            dev.launch(adamw_bf16_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+                       *(pair_view(a) for a in arrays), *args, n // 2)
+        else:
+            dev.launch(adamw_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size, *arrays, *args, n)
+        results.append([dev.to_host(a) for a in (params, master, m, v)])
+    return results
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(a.view(np.uint16 if a.dtype == np.uint16 else np.uint32),
+                          b.view(np.uint16 if b.dtype == np.uint16 else np.uint32))
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+# word counts in the simulator (32-thread blocks, 4 words a thread): 37 less than a block's 128, 301 three
+# blocks with a ragged tail (every thread's fourth word in use), 129 one word past a full block
+@pytest.mark.parametrize("n_words", [37, 301, 4 * 32 + 1])
+def test_adamw_bf16_pairs_kernel_is_the_scalar_kernel_bit_for_bit(kdev, rng, stochastic, n_words):
+    # decay_size odd: the word of elements decay-1 and decay straddles it (one decayed, one not); a nonzero
+    # hash offset, as a ZeRO shard passes
+    n, decay, offset = 2 * n_words, 2 * (n_words // 3) + 1, 1001
+    state = random_state(rng, n)
+    g = f32_to_bf16(rng.normal(size=n))
+    scalar, pairs = adamw_bf16_both(kdev, state, g, decay, scalars_at(3), stochastic, offset)
+    # every element's update and random word the same: the same bits
+    for name, a, b in zip(("params", "master", "m", "v"), pairs, scalar):
+        assert same_bits(a, b), name
+    assert not np.any(pairs[0] == 0x7FC0), "NaN left in params"
+    # and the reference's (the simulator computes exactly as NumPy)
+    params, master, m, v = (a.copy() for a in state)
+    adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(3), BETA1, BETA2, EPS, WD, SEED, stochastic,
+                          offset)
+    for name, a, b in zip(("params", "master", "m", "v"), pairs, (params, master, m, v)):
+        assert_same_update(kdev, a, b, name)
+
+
+def test_adamw_bf16_layer_takes_the_paired_kernel_for_aligned_even_arrays_only(kdev, rng):
+    # the layer as on a GPU (kind "gpu"), launching through kdev and recording which kernel ran; the arrays
+    # are views into buffers, as ZeRO's shards are, drawing at hash index 1000 + their start
+    launched = []
+
+    def launch(kernel, *args):
+        launched.append(kernel)
+        kdev.launch(kernel, *args)
+    gpu = types.SimpleNamespace(kind="gpu", kernels=True, block_size=kdev.block_size, launch=launch)
+    size, decay = 81, 33
+    state = random_state(rng, size)
+    g = f32_to_bf16(rng.normal(size=size))
+    for start, n, want in ((0, 80, adamw_bf16_pairs_kernel),       # even, aligned
+                           (2, 78, adamw_bf16_pairs_kernel),       # a view at an even element
+                           (0, 79, adamw_bf16_kernel),             # odd n
+                           (1, 80, adamw_bf16_kernel)):            # a view at an odd element: not word-aligned
+        bufs = [kdev.asarray(a) for a in state]
+        p, master, m, v = (b[start:start + n] for b in bufs)
+        adamw_update_bf16(gpu, p, master, kdev.asarray(g)[start:start + n], m, v, decay,
+                          kdev.asarray(scalars_at(2)), BETA1, BETA2, EPS, WD, SEED, offset=1000 + start)
+        assert launched[-1] is want, (start, n)
+        ref = [a[start:start + n].copy() for a in state]
+        adamw_update_bf16_ref(*ref[:2], g[start:start + n], *ref[2:], decay, scalars_at(2), BETA1, BETA2, EPS, WD,
+                              SEED, offset=1000 + start)
+        for name, a, b in zip(("params", "master", "m", "v"), (p, master, m, v), ref):
+            assert_same_update(kdev, kdev.to_host(a), b, name)
+
+
 # ---- on the GPU, at real sizes -------------------------------------------------------------------------
 BLOCK_BUCKET = 7_087_872                                                   # one GPT-2 124M block's parameters
 
@@ -408,6 +496,22 @@ def test_adamw_bf16_kernel_matches_reference_at_gpt2_size(kdev, rng):
     adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(5), BETA1, BETA2, EPS, WD, SEED)
     for name, a, b in zip(("params", "master", "m", "v"), dev_state, (params, master, m, v)):
         assert_same_update(kdev, kdev.to_host(a), b, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_adamw_bf16_pairs_kernel_is_the_scalar_kernel_bit_for_bit_at_gpt2_size(kdev, rng, stochastic):
+    # GPT-2 124M's parameter count; decay_size odd (a word straddles it); a ZeRO-like hash offset
+    n, decay, offset = 124_475_904, 85_000_001, 12_345
+    state = random_state(rng, n)
+    g = f32_to_bf16(rng.normal(size=n) * 1e-2)
+    scalar, pairs = adamw_bf16_both(kdev, state, g, decay, scalars_at(5), stochastic, offset)
+    for name, a, b in zip(("params", "master", "m", "v"), pairs, scalar):
+        same = np.mean(a.view(np.uint16 if a.dtype == np.uint16 else np.uint32)
+                       == b.view(np.uint16 if b.dtype == np.uint16 else np.uint32))
+        print(f"adamw bf16 n={n} decay={decay} offset={offset} stochastic={stochastic}: {name} of the paired "
+              f"kernel vs the scalar kernel, {same:.6%} of elements bit-identical")
+        assert same_bits(a, b), name
 
 
 # ---- lesson 04 runs and passes its checkpoints -------------------------------------------------------------
