@@ -4,6 +4,8 @@ kernels (GPU only in the layer) need nothing the simulator lacks: they run here 
 The fused kernel (loss and dlogits in one, in place over the logits: what the model's backward runs) and the
 loss kernel (what its forward runs): against the fused reference, against the unfused kernels (the same loss
 bits, dlogits within an ulp), and on bf16 storage (the float32 kernel's results, rounded)."""
+import types
+
 import numpy as np
 import pytest
 from test_bf16_storage import NAN_BF16, assert_rounded_float32, assert_within_one_step
@@ -11,6 +13,7 @@ from test_bf16_storage import NAN_BF16, assert_rounded_float32, assert_within_on
 from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.device import ceil_div
+from llmz.kernels.bf16 import pair_view
 from llmz.kernels.classifier import (
     classifier_backward,
     classifier_backward_kernel,
@@ -21,10 +24,13 @@ from llmz.kernels.classifier import (
     classifier_forward_ref,
     classifier_fused,
     classifier_fused_kernel,
+    classifier_fused_pairs_kernel,
     classifier_fused_ref,
     classifier_loss,
     classifier_loss_kernel,
+    classifier_loss_pairs_kernel,
     row_block,
+    row_pairs_apply,
 )
 
 B, T, V, Vp = 2, 3, 50, 64          # 64 columns: two sim blocks' worth of threads, V not a multiple of 32
@@ -463,3 +469,125 @@ def test_classifier_fused_kernel_on_bf16_is_the_rounded_float32_kernel_at_gpt2_s
     nbytes = rows * Vp * 2
     print(f"classifier fused bf16: {ms:.4f} ms ({3 * nbytes / ms / 1e6:.0f} GB/s as 2 reads + 1 write), "
           f"loss only {ms_loss:.4f} ms ({nbytes / ms_loss / 1e6:.0f} GB/s) per call")
+
+
+# ---- the paired fused and loss kernels (GPU path for float32 and bf16): the scalar kernels' bits ------------
+# Launched directly here (the layers take them only on a GPU), on pair_view words, with nb threads per row:
+# they stand for the scalar kernels at 2 nb threads. (37, 40, 4): a step of four words and a tail where a
+# word's low half is < V and its high half not; (29, 32, 4): V odd, thread 2's low halves take a last step of
+# four ending on column V-1 while its high halves go one at a time; (64, 72, 3): V even, two steps, a block
+# that is not a power of two (the reduction trees' ragged levels), "rising": every step a new max. Padded
+# columns are NaN (they must be written with 0 and never read into a real column); the targets of the two
+# rows are the first and the last real column.
+PAIR_CASES = [(37, 40, 4, "random"), (29, 32, 4, "random"), (64, 72, 3, "rising")]
+
+
+def storage_logits(logits, V, storage):
+    """float32 logits, or their bf16 bits (uint16); the padded columns NaN (the bf16 quiet NaN)."""
+    x = logits.astype(np.float32) if storage == "float32" else f32_to_bf16(logits)
+    x[:, V:] = np.nan if storage == "float32" else NAN_BF16
+    return x
+
+
+def edge_targets(rng, rows, V):
+    """int32 targets: row 0 column 0, row 1 column V - 1, the others (rows > 2) random."""
+    t = rng.integers(0, V, size=rows).astype(np.int32)
+    t[:2] = 0, V - 1
+    return t
+
+
+def bits(a) -> np.ndarray:
+    """Stored bits to compare (float32 as uint32; bf16 already bits), NaN included."""
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+def fused_scalar_and_pairs(dev, logits, targets, dloss, V, nb):
+    """(losses, dlogits) of the scalar fused kernel at block 2 nb and of the paired one at nb, and the losses of
+    the two loss kernels; every output starts NaN, the logits (rows, Vp) from copies of `logits`."""
+    rows = logits.shape[0]
+    t = dev.asarray(targets)
+    out = []
+    for fused, loss, block, view in ((classifier_fused_kernel, classifier_loss_kernel, 2 * nb, lambda a: a),
+                                     (classifier_fused_pairs_kernel, classifier_loss_pairs_kernel, nb, pair_view)):
+        x, losses, only = dev.asarray(logits), dev.full(rows, np.nan, np.float32), dev.full(rows, np.nan, np.float32)
+        dev.launch(fused, rows, block, losses, view(x), t, float(dloss), V)
+        dev.launch(loss, rows, block, only, view(dev.asarray(logits)), t, V)
+        out.append((dev.to_host(losses), dev.to_host(x), dev.to_host(only)))
+    return out
+
+
+@pytest.mark.parametrize("storage", ["float32", "bf16"])
+@pytest.mark.parametrize("V, Vp, nb, order", PAIR_CASES)
+def test_classifier_pairs_kernels_are_the_scalar_kernels_at_twice_the_block_bit_for_bit(kdev, rng, storage, V,
+                                                                                         Vp, nb, order):
+    rows = 2
+    logits, _ = fused_inputs(rng, rows, V, Vp, order)
+    x = storage_logits(logits, V, storage)
+    targets, dloss = edge_targets(rng, rows, V), 1.0 / (3 * rows)
+    (losses, d, only), (losses_p, d_p, only_p) = fused_scalar_and_pairs(kdev, x, targets, dloss, V, nb)
+    # the same columns per (stood-for) thread, steps, exponentials, sums and trees: the same bits
+    np.testing.assert_array_equal(bits(d_p), bits(d))
+    np.testing.assert_array_equal(bits(losses_p), bits(losses))
+    np.testing.assert_array_equal(bits(only_p), bits(only))
+    np.testing.assert_array_equal(bits(only), bits(losses))
+    # every element written (no NaN left), padded columns +0 exactly, the targets' dlogits negative
+    assert not np.isnan(losses_p).any()
+    assert np.all(bits(d_p)[:, V:] == 0)
+    dv = d_p.astype(np.float64) if storage == "float32" else bf16_to_f32(d_p).astype(np.float64)
+    assert not np.isnan(dv).any()
+    assert np.all(dv[np.arange(rows), targets] < 0)
+    # and both against the float64 reference (of the stored logits): float32 exps, one rounding per dlogit
+    ref_losses, ref_d = fused_ref64(x.astype(np.float64) if storage == "float32" else
+                                    bf16_to_f32(x).astype(np.float64), targets, dloss, V)
+    assert rel_err(losses_p, ref_losses) < 1e-6
+    assert rel_err(dv, ref_d) < (1e-6 if storage == "float32" else 4e-3)    # bf16: half a step, 2^-9
+
+
+def test_classifier_pairs_apply_only_to_even_rows_of_float32_or_bf16_on_a_gpu():
+    gpu, sim = types.SimpleNamespace(kind="gpu"), types.SimpleNamespace(kind="sim")
+    f32, b16 = np.zeros((3, 40), np.float32), np.zeros((3, 40), np.uint16)
+    assert row_pairs_apply(gpu, f32) and row_pairs_apply(gpu, b16)
+    assert not row_pairs_apply(sim, f32)                                 # the simulator's layers: scalar
+    assert not row_pairs_apply(gpu, np.zeros((2, 41), np.float32))       # an even size, odd rows
+    assert not row_pairs_apply(gpu, np.zeros((3, 40)))                   # float64
+    assert not row_pairs_apply(gpu, np.zeros(81, np.float32)[1:].reshape(2, 40))    # starts at an odd element
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["float32", "bf16"])
+def test_classifier_pairs_layers_are_the_scalar_kernels_bit_for_bit_at_d12_size(kdev, rng, storage):
+    rows, V, Vp = 4096, 50257, 50304                           # d12's vocabulary, B*T = 4 x 1024 rows
+    logits, _ = fused_inputs(rng, rows, V, Vp)
+    targets, dloss = edge_targets(rng, rows, V), 1.0 / (3 * rows)
+    t, block = kdev.asarray(targets), row_block(kdev)
+    host = storage_logits(logits, V, storage)
+    # the layers (the paired kernels on a GPU, at half row_block's threads), then the scalar kernel at row_block,
+    # each from NaN-poisoned losses
+    x, losses, only = kdev.asarray(host), kdev.full(rows, np.nan, np.float32), kdev.full(rows, np.nan, np.float32)
+    assert row_pairs_apply(kdev, x)
+    classifier_fused(kdev, losses, x, t, dloss, V)
+    classifier_loss(kdev, only, kdev.asarray(host), t, V)
+    y, losses_s = kdev.asarray(host), kdev.full(rows, np.nan, np.float32)
+    kdev.launch(classifier_fused_kernel, rows, block, losses_s, y, t, float(dloss), V)
+    d, d_s = kdev.to_host(x), kdev.to_host(y)
+    lo, lo_s, lo_only = kdev.to_host(losses), kdev.to_host(losses_s), kdev.to_host(only)
+    f = (lambda a: a.astype(np.float64)) if storage == "float32" else (lambda a: bf16_to_f32(a).astype(np.float64))
+    worst_d = np.nanmax(np.abs(f(d) - f(d_s)))
+    worst_l = np.nanmax(np.abs(lo.astype(np.float64) - lo_s))
+    same = np.mean(bits(d) == bits(d_s))
+    # time: the paired layers and the scalar kernel (x keeps being overwritten in place: the values change, the
+    # work does not)
+    ms_p = gpu_ms_per_call(kdev, lambda: classifier_fused(kdev, losses, x, t, dloss, V))
+    ms_s = gpu_ms_per_call(kdev, lambda: kdev.launch(classifier_fused_kernel, rows, block, losses_s, y, t,
+                                                      float(dloss), V))
+    ms_loss = gpu_ms_per_call(kdev, lambda: classifier_loss(kdev, only, x, t, V))
+    nbytes = rows * Vp * host.itemsize
+    print(f"classifier pairs vs scalar, {storage}, rows={rows} V={V} Vp={Vp}, block {block // 2} vs {block}: "
+          f"dlogits {same:.6%} bit-identical (worst |diff| {worst_d:.3e}), losses worst |diff| {worst_l:.3e}, "
+          f"loss layer = fused losses: {np.array_equal(bits(lo_only), bits(lo))}; fused paired {ms_p:.4f} ms "
+          f"({3 * nbytes / ms_p / 1e6:.0f} GB/s as 2 reads + 1 write) vs scalar {ms_s:.4f} ms "
+          f"({3 * nbytes / ms_s / 1e6:.0f} GB/s); loss paired {ms_loss:.4f} ms ({nbytes / ms_loss / 1e6:.0f} GB/s)")
+    np.testing.assert_array_equal(bits(d), bits(d_s))
+    np.testing.assert_array_equal(bits(lo), bits(lo_s))
+    np.testing.assert_array_equal(bits(lo_only), bits(lo))
+    assert np.all(bits(d)[:, V:] == 0) and not np.isnan(lo).any()
