@@ -8,11 +8,20 @@ import time
 import numpy as np
 import pytest
 
-from helpers import poisoned, rel_err
+from helpers import gpu_ms_per_call, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.device import ceil_div
 from llmz.kernels import reduce
-from llmz.kernels.reduce import colsum_geometry, column_sum, column_sum_kernel, column_sum_ref
+from llmz.kernels.bf16 import pair_view
+from llmz.kernels.reduce import (
+    COLSUM_PAIR_STRIP,
+    colsum_geometry,
+    column_sum,
+    column_sum_kernel,
+    column_sum_pairs_kernel,
+    column_sum_ref,
+    pairs_fit,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +248,95 @@ def test_column_sum_kernel_matches_float64_reference_at_gpt2_size(kdev, rng):
     print(f"column_sum N={N} C={C}: worst relative error {err:.2e}, {ms:.3f} ms per call (1 launch)")
     # float64 sums of 16384 float32 values, one float32 rounding at the end
     assert err < 1e-6
+
+
+# ---- the paired kernel: words of two columns, the same bits as column_sum_kernel --------------------------
+def launch_both(dev, x, start, accumulate, rows_per_block, lanes=None):
+    """column_sum_kernel and column_sum_pairs_kernel on the same x (N,C) and out start (accumulate False: a
+    NaN start), the same rows_per_block and lanes (None: the device's). Returns ((out, partial, counters) of the
+    scalar kernel, the same of the paired one), on the host."""
+    N, C = x.shape
+    runs = []
+    for kernel, pairs in ((column_sum_kernel, False), (column_sum_pairs_kernel, True)):
+        grid, block, R, rows = colsum_geometry(dev, N, C, rows_per_block, pairs)
+        block = (block[0], lanes or block[1])
+        out = dev.asarray(start)
+        partial = poisoned(dev, (R, C), np.float64)
+        counters = dev.zeros(grid[0], np.int32)
+        xd = dev.asarray(x)
+        dev.launch(kernel, grid, block, out, partial, counters, pair_view(xd) if pairs else xd, rows, accumulate)
+        runs.append([dev.to_host(a) for a in (out, partial, counters)])
+    return runs
+
+
+# C = 70: a full 64-column strip and one of 6 (3 words), 3 strips of 32 for the scalar kernel. N = 21 rows:
+# rows_per_block 21 with 2 lanes: R = 1, 10 or 11 rows a lane (stage 1's eight loads at a time and its tail);
+# 8 with 4 lanes: R = 3, the last chunk 5 rows; 2 with 1 lane: R = 11 partials on one lane (stage 2's eight at
+# a time and its tail). Each geometry in float32 and bf16, accumulating in one, overwriting in the other.
+@pytest.mark.parametrize("rows_per_block, lanes, bf16, accumulate", [
+    (21, 2, False, True), (21, 2, True, False), (8, 4, False, False), (8, 4, True, True), (2, 1, False, True),
+    (2, 1, True, False)])
+def test_column_sum_pairs_kernel_gives_the_scalar_kernels_bits(kdev, rng, rows_per_block, lanes, bf16,
+                                                               accumulate):
+    N, C = 21, 70
+    assert C % 2 == 0 and C % COLSUM_PAIR_STRIP != 0
+    x = rng.normal(size=(N, C)) * 10 ** rng.uniform(-3, 3, size=(N, 1))     # magnitudes apart: order shows
+    start = rng.normal(size=C) if accumulate else np.full(C, np.nan)       # overwriting: a NaN start
+    x, start = (f32_to_bf16(x), f32_to_bf16(start)) if bf16 else (x.astype(np.float32), start.astype(np.float32))
+    (out, partial, counters), (out_p, partial_p, counters_p) = launch_both(kdev, x, start, accumulate,
+                                                                          rows_per_block, lanes)
+    # each column's adds in the same order: the same bits, out and every partial sum; the counters back at 0
+    np.testing.assert_array_equal(out_p, out)
+    np.testing.assert_array_equal(partial_p, partial)
+    assert not np.isnan(partial).any()
+    np.testing.assert_array_equal(counters, 0)
+    np.testing.assert_array_equal(counters_p, 0)
+    # and the sums are right: float64 sums, one rounding to out's float32 (bf16: within one bf16 step)
+    want = start.copy()
+    column_sum_ref(want, x, accumulate=accumulate)
+    got, want = (bf16_to_f32(out_p), bf16_to_f32(want)) if bf16 else (out_p, want)
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -7 if bf16 else 1e-6, atol=1e-30)
+
+
+def test_pairs_fit_takes_contiguous_aligned_float32_and_bf16_rows_of_even_width():
+    from types import SimpleNamespace
+    gpu, sim = SimpleNamespace(kind="gpu"), SimpleNamespace(kind="sim")
+    x32, x16 = np.zeros((4, 70), np.float32), np.zeros((4, 70), np.uint16)
+    assert pairs_fit(gpu, x32) and pairs_fit(gpu, x16) and pairs_fit(gpu, x32, x16)
+    assert not pairs_fit(sim, x32)                                   # the simulator keeps the scalar kernels
+    assert not pairs_fit(gpu, np.zeros((4, 71), np.float32))         # odd C
+    assert not pairs_fit(gpu, np.zeros((4, 70)))                     # float64
+    assert not pairs_fit(gpu, x32[:, 1:69])                          # not contiguous
+    assert not pairs_fit(gpu, x32.reshape(-1)[1:141].reshape(2, 70))  # starts mid-word
+    assert not pairs_fit(gpu, x32, np.zeros((4, 70)))               # every array must fit
+
+
+# d12 at B=16, T=1024: the bias gradients' N and C (768: attention projection, fc projection; 2304: qkv)
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [768, 2304])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_column_sum_pairs_kernel_gives_the_scalar_kernels_bits_at_gpt2_size(kdev, rng, C, bf16):
+    N = 16384
+    x = rng.normal(size=(N, C))
+    start = rng.normal(size=C)
+    x, start = (f32_to_bf16(x), f32_to_bf16(start)) if bf16 else (x.astype(np.float32), start.astype(np.float32))
+    for accumulate in (True, False):
+        (out, partial, _), (out_p, partial_p, counters_p) = launch_both(
+            kdev, x, start if accumulate else np.full(C, np.nan, start.dtype), accumulate, None)
+        np.testing.assert_array_equal(out_p, out)
+        np.testing.assert_array_equal(partial_p, partial)
+        np.testing.assert_array_equal(counters_p, 0)
+    # the layer picks the paired kernel here; its time against the scalar kernel's
+    xd = kdev.asarray(x)
+    assert pairs_fit(kdev, xd)
+    out = kdev.asarray(start)
+    times = {}
+    for kernel, pairs in ((column_sum_kernel, False), (column_sum_pairs_kernel, True)):
+        grid, block, R, rows = colsum_geometry(kdev, N, C, None, pairs)
+        partial, counters = kdev.zeros((R, C), np.float64), kdev.zeros(grid[0], np.int32)
+        args = (out, partial, counters, pair_view(xd) if pairs else xd, rows, True)
+        times[kernel.py_func.__name__] = gpu_ms_per_call(
+            kdev, lambda kernel=kernel, grid=grid, block=block, args=args: kdev.launch(kernel, grid, block, *args))
+    gbs = {k: N * C * x.itemsize / ms / 1e6 for k, ms in times.items()}
+    print(f"column_sum {x.dtype} N={N} C={C}: paired == scalar bit for bit (out, all {R}x{C} partials, "
+          f"accumulate and overwrite); " + ", ".join(f"{k} {times[k]:.4f} ms ({gbs[k]:.0f} GB/s)" for k in times))

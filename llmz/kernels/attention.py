@@ -668,10 +668,11 @@ def _square_heads(x, NH):
 
 # The cuBLAS products over the causal T x T square skip its blocks above the diagonal: the rows go in
 # CAUSAL_BLOCKS blocks, and the block of rows [t0, t1) meets only keys [0, t1) (the later keys have att = 0,
-# dpreatt = 0). With 4 blocks the products cover 10/16 of the square; the price is 4 calls each instead of
-# one. (bf16 d12 B=16 T=1024 on the H200, full squares: the six products 9.36 ms/step at ~200 TFLOP/s, bound
-# by the T x T reads and writes.)
-CAUSAL_BLOCKS = 4
+# dpreatt = 0). With 2 blocks the products cover 3/4 of the square, with 4 blocks 10/16, in 2 or 4 calls each
+# instead of one. bf16 d12 B=16 T=1024 on the H200: full squares, the six products 9.36 ms/step at ~200
+# TFLOP/s (bound by the T x T reads and writes); 4 blocks 8.67 ms (the smaller products run at 80-160
+# TFLOP/s). Whole graphed steps, the same build: 1 block 55.76 ms, 2 blocks 54.86, 4 blocks 55.15.
+CAUSAL_BLOCKS = 2
 
 
 def _causal_blocks(T: int) -> list:
