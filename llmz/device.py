@@ -112,6 +112,38 @@ class _GpuEvent:
         self.cupy.synchronize()
 
 
+def _thread_safe_simulator_shared() -> None:
+    """Numba's simulator gives a block's threads one shared array per source line, made by the first thread
+    to get there: `get`, and if absent `np.empty` and store, unlocked. Two threads of a block passing the line
+    at once each made their own, and a reduction through it then missed the other lanes (seen: a column sum
+    wrong in its first column, 1 run in ~10, more often with a short thread switch interval). Here the same
+    lookup, keyed as the simulator keys it (the calling file and line), runs under a lock; dynamic shared
+    memory (shape 0) goes to the simulator as before."""
+    import threading
+    import traceback
+
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    if getattr(FakeCUDAShared.array, "thread_safe", False):
+        return
+    simulators, lock = FakeCUDAShared.array, threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return simulators(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2])
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+    array.thread_safe = True
+    FakeCUDAShared.array = array
+
+
 class Device:
     """Where arrays live and how kernels launch. `dtype` is the compute dtype of parameters/activations."""
 
@@ -133,6 +165,8 @@ class Device:
         self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
         # threads per block for 1-D kernels: the simulator runs each thread as a Python thread, keep it small
         self.block_size = 32 if self.kind == "sim" else 256
+        if self.kind == "sim":
+            _thread_safe_simulator_shared()
         if self.kind == "gpu":
             import cupy
             # ranks beyond the GPU count share GPUs (then only --comm mpi works: NCCL refuses)

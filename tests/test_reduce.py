@@ -5,8 +5,10 @@ import sys
 import threading
 import time
 
+import numba
 import numpy as np
 import pytest
+from numba import cuda
 
 from helpers import gpu_ms_per_call, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
@@ -340,3 +342,45 @@ def test_column_sum_pairs_kernel_gives_the_scalar_kernels_bits_at_gpt2_size(kdev
     gbs = {k: N * C * x.itemsize / ms / 1e6 for k, ms in times.items()}
     print(f"column_sum {x.dtype} N={N} C={C}: paired == scalar bit for bit (out, all {R}x{C} partials, "
           f"accumulate and overwrite); " + ", ".join(f"{k} {times[k]:.4f} ms ({gbs[k]:.0f} GB/s)" for k in times))
+
+
+
+@cuda.jit
+def shared_relay_kernel(out):
+    # out (32,): thread i writes i through four shared arrays, each allocated right after a barrier that
+    # releases all 32 threads towards its line at once; one array per block gives out[i] = i
+    i = cuda.threadIdx.x
+    cuda.syncthreads()
+    a = cuda.shared.array(32, numba.int64)
+    a[i] = i
+    cuda.syncthreads()
+    b = cuda.shared.array(32, numba.int64)
+    b[i] = a[31 - i]
+    cuda.syncthreads()
+    c = cuda.shared.array(32, numba.int64)
+    c[i] = b[31 - i]
+    cuda.syncthreads()
+    d = cuda.shared.array(32, numba.int64)
+    d[i] = c[(i + 1) % 32]
+    cuda.syncthreads()
+    out[i] = d[(i + 31) % 32]
+
+
+def test_simulator_shared_arrays_are_one_per_block_under_thread_switches(kdev):
+    # Numba's simulator made a block's shared array unlocked (get, else create and store), so threads
+    # reaching the line together could each get their own: a column sum then lost lanes (seen 1 run in ~10).
+    # Device("sim") installs a locked allocation (llmz.device._thread_safe_simulator_shared). Measured with
+    # the simulator as shipped: 29 and 34 of these 100 launches wrong; with the lock, none.
+    if kdev.kind != "sim":
+        pytest.skip("the simulator's shared arrays")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        wrong = 0
+        for _ in range(100):
+            out = np.full(32, -1, np.int64)
+            shared_relay_kernel[1, 32](out)
+            wrong += not np.array_equal(out, np.arange(32))
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == 0, f"{wrong} of 100 launches saw more than one shared array per block"
