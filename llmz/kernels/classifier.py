@@ -325,37 +325,6 @@ def classifier_fused_kernel(losses, logits, targets, dloss, V):
 # the high halves, takes their steps of four columns from four words (eight columns, four loads in flight) and
 # reduces the 2nt values over the same tree: the scalar kernels' numbers at block 2nt, bit for bit.
 @cuda.jit(device=True)
-def tree_max(buf, tid, nt, n):
-    """block_max over buf[0:n] with nt threads (n <= 2 nt): the same tree, each thread taking the slots i = tid,
-    tid + nt of a level."""
-    half = 1
-    while half < n:
-        half *= 2
-    half //= 2
-    while half > 0:
-        for i in range(tid, half, nt):
-            if i + half < n:
-                buf[i] = max(buf[i], buf[i + half])
-        cuda.syncthreads()
-        half //= 2
-
-
-@cuda.jit(device=True)
-def tree_sum(buf, tid, nt, n):
-    """block_sum over buf[0:n] with nt threads, as tree_max."""
-    half = 1
-    while half < n:
-        half *= 2
-    half //= 2
-    while half > 0:
-        for i in range(tid, half, nt):
-            if i + half < n:
-                buf[i] += buf[i + half]
-        cuda.syncthreads()
-        half //= 2
-
-
-@cuda.jit(device=True)
 def row_stats_pairs(logits, r, V, buf):
     """logits: (rows, Vp/2) paired view; buf: float64 shared scratch of >= 2 blockDim. All threads of the block
     call it. row_stats at block 2 blockDim, thread j as its threads 2j and 2j+1 (see above): returns (ma, mb,
@@ -401,7 +370,7 @@ def row_stats_pairs(logits, r, V, buf):
     buf[2 * j] = ma
     buf[2 * j + 1] = mb
     cuda.syncthreads()
-    tree_max(buf, j, nt, 2 * nt)
+    block_max(buf, j, 2 * nt)
     maxval = buf[0]
     cuda.syncthreads()                      # everyone has read the max before buf is reused
     # the sum of exp(x - max): each s rescaled to the row max, then the tree of block_sum
@@ -410,7 +379,7 @@ def row_stats_pairs(logits, r, V, buf):
     buf[2 * j] = sa * shift_a
     buf[2 * j + 1] = sb * shift_b
     cuda.syncthreads()
-    tree_sum(buf, j, nt, 2 * nt)
+    block_sum(buf, j, 2 * nt)
     return ma, mb, maxval, shift_a, shift_b, buf[0]
 
 

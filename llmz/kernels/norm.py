@@ -55,8 +55,10 @@ def global_norm_ref(arrays) -> float:
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
-# shared-memory block reductions (the classifier uses them too): a tree over buf[0:n], any n <= MAX_BLOCK,
-# in the same order every run. All n threads of the block call them; buf[0] holds the result on return.
+# shared-memory block reductions (the classifier and attention use them too): a tree over buf[0:n], in the
+# same order every run. Every thread of the block calls them; thread tid takes slots tid, tid + blockDim, ...
+# of each level (one slot when n <= blockDim; the classifier's paired kernels reduce n = 2 blockDim values).
+# buf[0] holds the result on return.
 @cuda.jit(device=True)
 def block_sum(buf, tid, n):
     half = 1
@@ -64,8 +66,9 @@ def block_sum(buf, tid, n):
         half *= 2
     half //= 2
     while half > 0:
-        if tid < half and tid + half < n:
-            buf[tid] += buf[tid + half]
+        for i in range(tid, half, cuda.blockDim.x):
+            if i + half < n:
+                buf[i] += buf[i + half]
         cuda.syncthreads()
         half //= 2
 
@@ -77,8 +80,9 @@ def block_max(buf, tid, n):
         half *= 2
     half //= 2
     while half > 0:
-        if tid < half and tid + half < n:
-            buf[tid] = max(buf[tid], buf[tid + half])
+        for i in range(tid, half, cuda.blockDim.x):
+            if i + half < n:
+                buf[i] = max(buf[i], buf[i + half])
         cuda.syncthreads()
         half //= 2
 
