@@ -11,10 +11,8 @@ import pytest
 from test_reduce import run_blocks_in_order
 
 from helpers import finite_diff, gpu_ms_per_call, poisoned, rel_err
-from llmz.bf16 import f32_to_bf16
 from llmz.device import ceil_div
 from llmz.kernels import layernorm
-from llmz.kernels.bf16 import pair_view
 from llmz.kernels.layernorm import (
     MAX_PER_LANE,
     ROWS_IN_FLIGHT,
@@ -23,7 +21,6 @@ from llmz.kernels.layernorm import (
     layernorm_backward_inp_warp_kernel,
     layernorm_backward_inp_warp_loop_kernel,
     layernorm_backward_params_kernel,
-    layernorm_backward_params_pairs_kernel,
     layernorm_backward_ref,
     layernorm_forward,
     layernorm_forward_ref,
@@ -32,7 +29,7 @@ from llmz.kernels.layernorm import (
     warp_kernels,
     warp_rows_geometry,
 )
-from llmz.kernels.reduce import colsum_geometry, pairs_fit
+from llmz.kernels.reduce import colsum_geometry
 
 
 @pytest.fixture(autouse=True)
@@ -178,50 +175,6 @@ def test_layernorm_params_kernel_bits_do_not_depend_on_which_block_finishes_last
     # batches of 8 rows in float32, then float64; float32 products and stores: a few ulps
     for a, w in zip(got["grid"], want):
         assert rel_err(a, w) < 1e-6
-
-
-def params_both(dev, dout, inp, mean, rstd, starts, rows_per_block, lanes=None):
-    """layernorm_backward_params_kernel and layernorm_backward_params_pairs_kernel on the same inputs (dout,
-    inp: (N,C) float32 or bf16 bits, C even), the same rows_per_block and lanes (None: the device's), dweight
-    and dbias from the same starts. Returns [dweight, dbias, part_w, part_b, counters] of each, on the host."""
-    N, C = inp.shape
-    runs = []
-    for kernel, pairs in ((layernorm_backward_params_kernel, False), (layernorm_backward_params_pairs_kernel, True)):
-        grid, block, R, rows = colsum_geometry(dev, N, C, rows_per_block, pairs)
-        block = (block[0], lanes or block[1])
-        part_w, part_b = poisoned(dev, (R, C), np.float64), poisoned(dev, (R, C), np.float64)
-        counters = dev.zeros(grid[0], np.int32)
-        dweight, dbias = (dev.asarray(a) for a in starts)
-        rows_in = [dev.asarray(a) for a in (dout, inp)]
-        rows_in = [pair_view(a) for a in rows_in] if pairs else rows_in
-        dev.launch(kernel, grid, block, dweight, dbias, part_w, part_b, counters, *rows_in,
-                   dev.asarray(mean), dev.asarray(rstd), rows)
-        runs.append([dev.to_host(a) for a in (dweight, dbias, part_w, part_b, counters)])
-    return runs
-
-
-# C = 70: one 64-channel strip and one of 6 (3 words), 3 strips of 32 for the scalar kernel. (N, rows_per_block,
-# lanes): (21, 21, 2): R = 1, 10 or 11 rows a thread (a full batch of ROWS_IN_FLIGHT = 8, then a partial one);
-# (21, 8, 4): R = 3, the last chunk 5 rows; (20, 2, 1): R = 10 partials on one lane (stage 2's eight at a time)
-@pytest.mark.parametrize("N, rows_per_block, lanes, bf16", [(21, 21, 2, False), (21, 21, 2, True),
-                                                             (21, 8, 4, True), (20, 2, 1, False)])
-def test_layernorm_params_pairs_kernel_gives_the_scalar_kernels_bits(kdev, rng, N, rows_per_block, lanes, bf16):
-    C = 70
-    inp, weight, bias = make_inputs(rng, (N, C))
-    _, mean, rstd = forward64(inp, weight, bias)
-    dout = rng.normal(size=(N, C)) * 10 ** rng.uniform(-3, 3, size=(N, 1))   # magnitudes apart: order shows
-    starts = [rng.normal(size=C) for _ in range(2)]                         # accumulates: random starts
-    conv = f32_to_bf16 if bf16 else (lambda a: a.astype(np.float32))
-    dout, inp, *starts = (conv(a) for a in (dout, inp, *starts))
-    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
-    scalar, paired = params_both(kdev, dout, inp, mean, rstd, starts, rows_per_block, lanes)
-    # every channel's adds in the same order, in the same types: dweight, dbias and all partials the same bits
-    for a, b in zip(scalar[:4], paired[:4]):
-        np.testing.assert_array_equal(b, a)
-    assert not np.isnan(scalar[2]).any() and not np.isnan(scalar[3]).any()
-    # the counters (3 strips of 32, 2 of 64) back at 0
-    np.testing.assert_array_equal(scalar[4], 0)
-    np.testing.assert_array_equal(paired[4], 0)
 
 
 def test_layernorm_reference_backward_matches_finite_differences(rng):
@@ -437,38 +390,3 @@ def test_layernorm_warp_kernels_match_float64_reference_and_repeat_bits_on_gpu(k
     # float32 inputs and stores: a few ulps per element (a NumPy model of the register kernels at d12's size:
     # 6e-8); dweight, dbias: batches of 8 rows in float32, then float64; 1e-6 leaves a wide margin
     assert max(errs.values()) < 1e-6
-
-
-# d12 at B=16, T=1024: the paired dweight/dbias kernel (the layer's on a GPU) against the scalar one, bit for bit
-@pytest.mark.gpu
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_layernorm_params_pairs_kernel_gives_the_scalar_kernels_bits_at_gpt2_size(kdev, rng, bf16):
-    N, C = 16384, 768
-    inp, weight, bias = make_inputs(rng, (N, C))
-    _, mean, rstd = forward64(inp, weight, bias)
-    dout = rng.normal(size=(N, C))
-    starts = [rng.normal(size=C) for _ in range(2)]
-    conv = f32_to_bf16 if bf16 else (lambda a: a.astype(np.float32))
-    dout, inp, *starts = (conv(a) for a in (dout, inp, *starts))
-    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
-    scalar, paired = params_both(kdev, dout, inp, mean, rstd, starts, None)
-    for a, b in zip(scalar[:4], paired[:4]):
-        np.testing.assert_array_equal(b, a)
-    np.testing.assert_array_equal(paired[4], 0)
-    dy, x = kdev.asarray(dout), kdev.asarray(inp)
-    assert pairs_fit(kdev, dy, x)
-    # each kernel's time
-    m, s = kdev.asarray(mean), kdev.asarray(rstd)
-    times = {}
-    for kernel, pairs in ((layernorm_backward_params_kernel, False), (layernorm_backward_params_pairs_kernel, True)):
-        grid, block, R, rows = colsum_geometry(kdev, N, C, None, pairs)
-        part_w, part_b = kdev.zeros((R, C), np.float64), kdev.zeros((R, C), np.float64)
-        counters = kdev.zeros(grid[0], np.int32)
-        dweight, dbias = (kdev.asarray(a) for a in starts)
-        args = (dweight, dbias, part_w, part_b, counters, *((pair_view(dy), pair_view(x)) if pairs else (dy, x)),
-                m, s, rows)
-        times[kernel.py_func.__name__] = gpu_ms_per_call(
-            kdev, lambda kernel=kernel, grid=grid, block=block, args=args: kdev.launch(kernel, grid, block, *args))
-    gbs = {k: 2 * N * C * inp.itemsize / ms / 1e6 for k, ms in times.items()}
-    print(f"layernorm dweight/dbias {inp.dtype} N={N} C={C}: paired == scalar bit for bit (dweight, dbias, all "
-          f"{R}x{C} partials of each); " + ", ".join(f"{k} {times[k]:.4f} ms ({gbs[k]:.0f} GB/s)" for k in times))

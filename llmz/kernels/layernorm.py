@@ -20,14 +20,9 @@ Kernels (the teaching versions):
                    partials (d12 bf16, 25 calls a step: stage 1 2.18 ms, stage 2 1.28 ms); then stage 2 in a
                    second launch of (32 x 8)-thread blocks, 0.82 ms in 25 calls (33 us each). After, one
                    launch: 1.15 ms in 25 calls, against 1.73 + 0.82 before.
-  backward, params, paired (GPU, float32/bf16 dout and inp, C even: reduce.pairs_fit)
-                   layernorm_backward_params_pairs_kernel: dout and inp read as pair_view words of two
-                   channels (one 4-byte load per bf16 pair, 8-byte per float32 pair), strips of 64 channels
-                   (32 words), two sums per thread per gradient; every channel's adds are the scalar kernel's
-                   (the same batches, compute dtype, rows, lanes and partials): the same bits. Before (the
-                   kernel above, bf16, d12 B=16 T=1024, H200): 1.15 ms in 25 calls, ~1.1 TB/s, a warp moving
-                   64 bytes per 2-byte load instruction. After: 1.26 ms (no gain: this kernel already issued 32
-                   loads a batch; kept for its fp32 path and the same bits).
+                   A paired variant (dout and inp read as words of two channels, the same bits) ran no
+                   faster on the H200 (bf16 d12: 1.26 ms against 1.15; 0.282 against 0.289 ms a call at
+                   N=16384): this kernel already issues 32 loads a batch. Not kept.
 Fast versions, GPU only (the simulator has no warp shuffles; it runs the teaching versions above):
   forward, warp    one WARP per row, 4 rows per block, the row held in registers: lane l loads channels l, l+32,
                    ... (at most MAX_PER_LANE = 32 of them: C <= 1024) into a local array the compiler keeps in
@@ -63,20 +58,16 @@ from numba.cuda.extending import overload
 
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
-from .bf16 import load, load_pair, pair_view, store, store_add
+from .bf16 import load, store, store_add
 from .norm import MAX_BLOCK, block_sum
 from .reduce import (
-    COLSUM_PAIR_STRIP,
     COLSUM_STRIP,
     MAX_LANES,
     colsum_geometry,
     column_total,
-    column_total_pair,
     last_in_strip,
-    pairs_fit,
     stage_rows,
     strip_partial,
-    strip_partial_pair,
 )
 
 LN_EPS = 1e-5
@@ -265,69 +256,6 @@ def layernorm_backward_params_kernel(dweight, dbias, part_w, part_b, counters, d
         store_add(dbias, c, s_b)
 
 
-@cuda.jit
-def layernorm_backward_params_pairs_kernel(dweight, dbias, part_w, part_b, counters, dout, inp, mean, rstd,
-                                           rows_per_block):
-    """layernorm_backward_params_kernel on words: dout, inp: (N, C/2) pair_view words of (N,C) float32 or bf16
-    arrays, C even; dweight, dbias: (C,); part_w, part_b: (R,C) float64 scratch; counters: (ceil(C/64),) int32,
-    zero (and left zero); mean, rstd: (N,). Grid (ceil(C/64), R), block (32, lanes): thread tx of block (x, y)
-    takes word 32x + tx, channels 64x + 2tx and +1. Every channel's adds are the scalar kernel's (the same
-    bits). Accumulates (+=) into dweight, dbias."""
-    N, W = inp.shape
-    buf = cuda.shared.array((MAX_LANES, COLSUM_PAIR_STRIP), numba.float64)
-    flag = cuda.shared.array(1, numba.int32)
-    xw = cuda.local.array(ROWS_IN_FLIGHT, inp.dtype)
-    gw = cuda.local.array(ROWS_IN_FLIGHT, dout.dtype)
-    m = cuda.local.array(ROWS_IN_FLIGHT, mean.dtype)
-    s = cuda.local.array(ROWS_IN_FLIGHT, rstd.dtype)
-    w, first, end, step = stage_rows(N, rows_per_block)
-    acc_w0 = np.float64(0.0)
-    acc_w1 = np.float64(0.0)
-    acc_b0 = np.float64(0.0)
-    acc_b1 = np.float64(0.0)
-    if w < W:
-        for row0 in range(first, end, step * ROWS_IN_FLIGHT):
-            # this thread's next ROWS_IN_FLIGHT rows: every word load before any add
-            for u in range(ROWS_IN_FLIGHT):
-                row = row0 + u * step
-                if row < end:
-                    xw[u] = inp[row, w]
-                    gw[u] = dout[row, w]
-                    m[u] = mean[row]
-                    s[u] = rstd[row]
-            # per channel as the scalar kernel: the batch in the compute dtype, then float64
-            bw0 = as_compute(inp, 0)
-            bw1 = as_compute(inp, 0)
-            bb0 = as_compute(inp, 0)
-            bb1 = as_compute(inp, 0)
-            for u in range(ROWS_IN_FLIGHT):
-                if row0 + u * step < end:
-                    x0, x1 = load_pair(xw, u)
-                    g0, g1 = load_pair(gw, u)
-                    bw0 += (x0 - m[u]) * s[u] * g0
-                    bw1 += (x1 - m[u]) * s[u] * g1
-                    bb0 += g0
-                    bb1 += g1
-            acc_w0 += bw0
-            acc_w1 += bw1
-            acc_b0 += bb0
-            acc_b1 += bb1
-    # the block's lanes, in order
-    strip_partial_pair(buf, acc_w0, acc_w1, part_w, 2 * w)
-    strip_partial_pair(buf, acc_b0, acc_b1, part_b, 2 * w)
-    # stage 2, in the strip's last block only: each channel's partials, lane by lane in order
-    if not last_in_strip(flag, counters):
-        return
-    sw0, sw1 = column_total_pair(buf, part_w, 2 * w)
-    sb0, sb1 = column_total_pair(buf, part_b, 2 * w)
-    if cuda.threadIdx.y == 0 and w < W:
-        store_add(dweight, 2 * w, sw0)
-        store_add(dweight, 2 * w + 1, sw1)
-        store_add(dbias, 2 * w, sb0)
-        store_add(dbias, 2 * w + 1, sb1)
-
-
-# ---- fast Numba kernels, GPU only: one warp per row --------------------------------------------
 @cuda.jit(device=True)
 def warp_sum(v):
     """The sum of v over the 32 lanes of a warp, returned in every lane. An xor butterfly: lane i adds the
@@ -532,16 +460,10 @@ def layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
         dev.launch(warp_kernels(C)[1], *warp_rows_geometry(rows), *args)
     else:
         dev.launch(layernorm_backward_inp_kernel, rows, bs, *args)
-    # dweight, dbias: partial sums over chunks of rows, then (each strip's last block) the chunks in order;
-    # on the GPU from words of two channels where they fit (64-channel strips, ceil(C/64) counters)
-    pairs = pairs_fit(dev, dout2, inp2)
-    grid, block, R, chunk = colsum_geometry(dev, rows, C, pairs=pairs)
+    # dweight, dbias: partial sums over chunks of rows, then (each strip's last block) the chunks in order
+    grid, block, R, chunk = colsum_geometry(dev, rows, C)
     part_w = dev.scratch("layernorm_dweight", (R, C), np.float64)
     part_b = dev.scratch("layernorm_dbias", (R, C), np.float64)
     counters = dev.scratch("layernorm_params_count", grid[0], np.int32)
-    if pairs:
-        dev.launch(layernorm_backward_params_pairs_kernel, grid, block, dweight, dbias, part_w, part_b,
-                   counters, pair_view(dout2), pair_view(inp2), mean1, rstd1, chunk)
-        return
     dev.launch(layernorm_backward_params_kernel, grid, block,
                dweight, dbias, part_w, part_b, counters, dout2, inp2, mean1, rstd1, chunk)
