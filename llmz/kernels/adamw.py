@@ -41,8 +41,8 @@ from numba import cuda
 
 from ..bf16 import M32, bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
 from ..device import ceil_div
-from .bf16 import S16, bf16_to_f32_dev, hash_args, load_pair, round_bf16, store_pair
-from .gelu import elementwise_blocks, four_slots, loads_barrier, pairs_apply, words
+from .bf16 import S16, bf16_to_f32_dev, hash_args, round_bf16, store_pair
+from .gelu import elementwise_blocks, four_pairs, four_slots, loads_barrier, pairs_apply, words
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -167,22 +167,10 @@ def adamw_bf16_pairs_kernel(params, master, grads, m, v, decay_size, scalars, be
     i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
     # the loads first: the step's scalars, then four words each of grads, master, m and v (params only stored)
     lr, grad_scale, bc1, bc2, s4 = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
-    g0, g1 = load_pair(grads, j0)
-    g2, g3 = load_pair(grads, j1)
-    g4, g5 = load_pair(grads, j2)
-    g6, g7 = load_pair(grads, j3)
-    p0, p1 = load_pair(master, j0)
-    p2, p3 = load_pair(master, j1)
-    p4, p5 = load_pair(master, j2)
-    p6, p7 = load_pair(master, j3)
-    m0, m1 = load_pair(m, j0)
-    m2, m3 = load_pair(m, j1)
-    m4, m5 = load_pair(m, j2)
-    m6, m7 = load_pair(m, j3)
-    v0, v1 = load_pair(v, j0)
-    v2, v3 = load_pair(v, j1)
-    v4, v5 = load_pair(v, j2)
-    v6, v7 = load_pair(v, j3)
+    g0, g1, g2, g3, g4, g5, g6, g7 = four_pairs(grads, j0, j1, j2, j3)
+    p0, p1, p2, p3, p4, p5, p6, p7 = four_pairs(master, j0, j1, j2, j3)
+    m0, m1, m2, m3, m4, m5, m6, m7 = four_pairs(m, j0, j1, j2, j3)
+    v0, v1, v2, v3, v4, v5, v6, v7 = four_pairs(v, j0, j1, j2, j3)
     loads_barrier()
     # the rounding's step (device memory: a replayed CUDA graph draws fresh bits)
     step = np.uint64(s4) & M32

@@ -100,6 +100,17 @@ def four_slots(n):
 
 
 @cuda.jit(device=True)
+def four_pairs(a, j0, j1, j2, j3):
+    """The eight elements of words j0..j3 of the paired view a (the paired kernels' four slots), as float32:
+    four independent word loads."""
+    x0, x1 = load_pair(a, j0)
+    x2, x3 = load_pair(a, j1)
+    x4, x5 = load_pair(a, j2)
+    x6, x7 = load_pair(a, j3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@cuda.jit(device=True)
 def gelu_value(x):
     """gelu(x) in x's precision (float32 for float32 and bf16 storage)."""
     return HALF * x * (ONE + math.tanh(S32 * (x + C32 * x * x * x)))
@@ -167,10 +178,7 @@ def gelu_forward_pairs_kernel(out, inp, n_words):
     """out, inp: (n_words,) paired views of 2 n_words elements. Overwrites out."""
     i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
     # the four word loads first (eight elements)
-    x0, x1 = load_pair(inp, j0)
-    x2, x3 = load_pair(inp, j1)
-    x4, x5 = load_pair(inp, j2)
-    x6, x7 = load_pair(inp, j3)
+    x0, x1, x2, x3, x4, x5, x6, x7 = four_pairs(inp, j0, j1, j2, j3)
     loads_barrier()
     # out = gelu(inp), the words inside the array
     if i0 < n_words:
@@ -189,20 +197,11 @@ def gelu_backward_pairs_kernel(dinp, inp, dout, n_words, accumulate):
     when accumulate is False."""
     i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
     # the word loads first: inp, dout and, accumulating, the dinp added to
-    x0, x1 = load_pair(inp, j0)
-    x2, x3 = load_pair(inp, j1)
-    x4, x5 = load_pair(inp, j2)
-    x6, x7 = load_pair(inp, j3)
-    g0, g1 = load_pair(dout, j0)
-    g2, g3 = load_pair(dout, j1)
-    g4, g5 = load_pair(dout, j2)
-    g6, g7 = load_pair(dout, j3)
+    x0, x1, x2, x3, x4, x5, x6, x7 = four_pairs(inp, j0, j1, j2, j3)
+    g0, g1, g2, g3, g4, g5, g6, g7 = four_pairs(dout, j0, j1, j2, j3)
     d0, d1, d2, d3, d4, d5, d6, d7 = g0, g1, g2, g3, g4, g5, g6, g7      # placeholders when overwriting
     if accumulate:
-        d0, d1 = load_pair(dinp, j0)
-        d2, d3 = load_pair(dinp, j1)
-        d4, d5 = load_pair(dinp, j2)
-        d6, d7 = load_pair(dinp, j3)
+        d0, d1, d2, d3, d4, d5, d6, d7 = four_pairs(dinp, j0, j1, j2, j3)
     loads_barrier()
     # dinp (+)= gelu'(inp) * dout, the words inside the array
     if i0 < n_words:

@@ -15,8 +15,8 @@ d12 B=16 T=1024): forward 0.90 ms per step (2.0 TB/s of the H200's ~4.8); after:
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from .bf16 import load, load_pair, store, store_pair
-from .gelu import elementwise_blocks, four_slots, loads_barrier, pairs_apply, words
+from .bf16 import load, store, store_pair
+from .gelu import elementwise_blocks, four_pairs, four_slots, loads_barrier, pairs_apply, words
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -89,14 +89,8 @@ def residual_forward_pairs_kernel(out, inp1, inp2, n_words):
     """out, inp1, inp2: (n_words,) paired views of 2 n_words elements. Overwrites out."""
     i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
     # the eight word loads first (sixteen elements)
-    a0, a1 = load_pair(inp1, j0)
-    a2, a3 = load_pair(inp1, j1)
-    a4, a5 = load_pair(inp1, j2)
-    a6, a7 = load_pair(inp1, j3)
-    b0, b1 = load_pair(inp2, j0)
-    b2, b3 = load_pair(inp2, j1)
-    b4, b5 = load_pair(inp2, j2)
-    b6, b7 = load_pair(inp2, j3)
+    a0, a1, a2, a3, a4, a5, a6, a7 = four_pairs(inp1, j0, j1, j2, j3)
+    b0, b1, b2, b3, b4, b5, b6, b7 = four_pairs(inp2, j0, j1, j2, j3)
     loads_barrier()
     # out = inp1 + inp2, the words inside the array
     if i0 < n_words:
@@ -115,18 +109,9 @@ def residual_backward_pairs_kernel(dinp1, dinp2, dout, n_words):
     dinp1 and dinp2."""
     i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
     # the twelve word loads first: dout and the two gradients being accumulated into
-    d0, d1 = load_pair(dout, j0)
-    d2, d3 = load_pair(dout, j1)
-    d4, d5 = load_pair(dout, j2)
-    d6, d7 = load_pair(dout, j3)
-    p0, p1 = load_pair(dinp1, j0)
-    p2, p3 = load_pair(dinp1, j1)
-    p4, p5 = load_pair(dinp1, j2)
-    p6, p7 = load_pair(dinp1, j3)
-    q0, q1 = load_pair(dinp2, j0)
-    q2, q3 = load_pair(dinp2, j1)
-    q4, q5 = load_pair(dinp2, j2)
-    q6, q7 = load_pair(dinp2, j3)
+    d0, d1, d2, d3, d4, d5, d6, d7 = four_pairs(dout, j0, j1, j2, j3)
+    p0, p1, p2, p3, p4, p5, p6, p7 = four_pairs(dinp1, j0, j1, j2, j3)
+    q0, q1, q2, q3, q4, q5, q6, q7 = four_pairs(dinp2, j0, j1, j2, j3)
     loads_barrier()
     # dinp1 += dout; dinp2 += dout, the words inside the array
     if i0 < n_words:
