@@ -236,18 +236,23 @@ def words(x):
     return pair_view(x.reshape(-1))
 
 
+def launch_elementwise(dev, kernel, pairs_kernel, arrays, *extra) -> None:
+    """An elementwise layer's launch over its same-size arrays, flattened: pairs_kernel on their words where
+    pairs_apply, else kernel on their elements; each kernel takes (*arrays, count, *extra)."""
+    n = arrays[0].size
+    if pairs_apply(dev, *arrays):
+        dev.launch(pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+                   *(words(x) for x in arrays), n // 2, *extra)
+    else:
+        dev.launch(kernel, elementwise_blocks(dev, n), dev.block_size, *(x.reshape(-1) for x in arrays), n, *extra)
+
+
 # ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
 def gelu_forward(dev, out, inp) -> None:
     """out = gelu(inp), any shape. Overwrites out."""
     if not dev.kernels:
         return gelu_forward_ref(out, inp)
-    n = inp.size
-    if pairs_apply(dev, out, inp):
-        dev.launch(gelu_forward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-                   words(out), words(inp), n // 2)
-        return
-    dev.launch(gelu_forward_kernel, elementwise_blocks(dev, n), dev.block_size,
-               out.reshape(-1), inp.reshape(-1), n)
+    launch_elementwise(dev, gelu_forward_kernel, gelu_forward_pairs_kernel, (out, inp))
 
 
 def gelu_backward(dev, dinp, inp, dout, accumulate: bool = True) -> None:
@@ -255,10 +260,4 @@ def gelu_backward(dev, dinp, inp, dout, accumulate: bool = True) -> None:
     dinp not read)."""
     if not dev.kernels:
         return gelu_backward_ref(dinp, inp, dout, accumulate)
-    n = inp.size
-    if pairs_apply(dev, dinp, inp, dout):
-        dev.launch(gelu_backward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-                   words(dinp), words(inp), words(dout), n // 2, accumulate)
-        return
-    dev.launch(gelu_backward_kernel, elementwise_blocks(dev, n), dev.block_size,
-               dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1), n, accumulate)
+    launch_elementwise(dev, gelu_backward_kernel, gelu_backward_pairs_kernel, (dinp, inp, dout), accumulate)

@@ -16,7 +16,7 @@ from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
 from .bf16 import load, store, store_pair
-from .gelu import elementwise_blocks, four_pairs, four_slots, loads_barrier, pairs_apply, words
+from .gelu import four_pairs, four_slots, launch_elementwise, loads_barrier
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -133,23 +133,11 @@ def residual_forward(dev, out, inp1, inp2) -> None:
     """out = inp1 + inp2 (any shape). Overwrites out."""
     if not dev.kernels:
         return residual_forward_ref(out, inp1, inp2)
-    n = out.size
-    if pairs_apply(dev, out, inp1, inp2):
-        dev.launch(residual_forward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-                   words(out), words(inp1), words(inp2), n // 2)
-        return
-    dev.launch(residual_forward_kernel, elementwise_blocks(dev, n), dev.block_size,
-               out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1), n)
+    launch_elementwise(dev, residual_forward_kernel, residual_forward_pairs_kernel, (out, inp1, inp2))
 
 
 def residual_backward(dev, dinp1, dinp2, dout) -> None:
     """dinp1 += dout; dinp2 += dout (dinp1, dinp2: two different arrays). Accumulates."""
     if not dev.kernels:
         return residual_backward_ref(dinp1, dinp2, dout)
-    n = dout.size
-    if pairs_apply(dev, dinp1, dinp2, dout):
-        dev.launch(residual_backward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-                   words(dinp1), words(dinp2), words(dout), n // 2)
-        return
-    dev.launch(residual_backward_kernel, elementwise_blocks(dev, n), dev.block_size,
-               dinp1.reshape(-1), dinp2.reshape(-1), dout.reshape(-1), n)
+    launch_elementwise(dev, residual_backward_kernel, residual_backward_pairs_kernel, (dinp1, dinp2, dout))
