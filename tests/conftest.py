@@ -33,6 +33,11 @@ def pytest_report_header(config):
     return f"llmz: random test inputs from LLMZ_TEST_SEED={SESSION_SEED} (set it to rerun these inputs)"
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):     # shown under -q too
+        terminalreporter.write_line(f"rerun these inputs: LLMZ_TEST_SEED={SESSION_SEED} python -m pytest ...")
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random inputs for every test: the session seed and the test's name (see SESSION_SEED)."""
