@@ -121,7 +121,7 @@ def test_gelu_reference_backward_overwrite_is_the_accumulate_into_zeros(rng):
     gelu_backward_ref(got, xb, db, accumulate=False)
     want = np.zeros(x.shape, np.float32)
     gelu_backward_ref(want, bf16_to_f32(xb), bf16_to_f32(db))
-    # equal as numbers: where float32 tanh(u) rounds to -1 (x < -5.3) gelu' is +0, and +0 * (dout < 0) is -0,
+    # equal as numbers: where float32 tanh(u) rounds to -1 (x <= -5.42) gelu' is +0, and +0 * (dout < 0) is -0,
     # which the overwrite stores and the accumulate turns into 0 + -0 = +0 (bits 0x8000 against 0x0000)
     np.testing.assert_array_equal(bf16_to_f32(got), bf16_to_f32(f32_to_bf16(want)))
 
