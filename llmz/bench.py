@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention", choices=ATTENTIONS, default="auto")
     a("--no-tf32", action="store_true")
     a("--no-cuda-graph", action="store_true")
-    a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
+    a("--zero-stage", type=int, choices=(0, 1, 2), nargs="+", default=[0], metavar="STAGE",
+      help="ZeRO stage(s); several (e.g. 0 1 2) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=3)
     a("--steps", type=int, default=10)
     a("--per-kernel", action="store_true", help="a table of every kernel's time per step")
@@ -50,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_run(args, kind: str, data_path: str):
-    """An llmz.train.Run of `args` training on the token file at data_path."""
+def make_run(args, kind: str, data_path: str, stage: int):
+    """An llmz.train.Run of `args` at ZeRO `stage`, training on the token file at data_path."""
     from .launch import init_ranks
     from .train import Run, parse_args
     flags = ["--device", kind, "--model", args.model, "--vocab-size", str(args.vocab_size),
              "-b", str(args.batch_size), "-t", str(args.seq_len), "--precision", args.precision,
-             "--matmul", args.matmul, "--attention", args.attention, "--zero-stage", str(args.zero_stage),
+             "--matmul", args.matmul, "--attention", args.attention, "--zero-stage", str(stage),
              "--train-data", data_path, "--val-data", "", "--steps", str(args.warmup + args.steps + 1),
              "--lr", "3e-4", "--warmup-steps", "0", "--quiet"]
     flags += ["--no-tf32"] * args.no_tf32 + ["--no-cuda-graph"] * args.no_cuda_graph
@@ -135,50 +136,80 @@ def per_kernel(run, step: int, precision: str) -> str:
     return "\n".join(lines)
 
 
+def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
+    """Warm up, then time args.steps steps of `stage`; prints its lines and returns its row."""
+    from .train import mfu
+    B, T = args.batch_size, args.seq_len
+    run = make_run(args, kind, path, stage)
+    dev = run.dev
+    paths = (f"matmul {dev.matmul}"
+             f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
+             f"attention {dev.attention}" if dev.kernels else "the NumPy references")
+    print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs "
+          f"{'on' if run.graphs.enabled else 'off'}, ZeRO stage {stage}; model {args.model} "
+          f"({cfg.num_parameters():,} parameters), B={B} T={T}")
+    for i in range(args.warmup):
+        run.step(i)
+    dev.synchronize()
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        t0 = time.perf_counter()
+        out = run.step(i)          # ends with the host reading the loss and the norm: a full sync
+        times.append(time.perf_counter() - t0)
+    ms = float(np.median(times)) * 1e3
+    tps = B * T / (ms / 1e3)
+    util = mfu(tps, cfg, T, dev, args.precision)
+    row = {"stage": stage, "ms": ms, "tokens_per_s": tps, "mfu": util, "loss": out["loss"],
+           "graphs": run.graphs.enabled, "gib": None}
+    print(f"  training step {ms:9.2f} ms (median of {args.steps}) {tps:12,.0f} tokens/s"
+          + (f"   MFU {util * 100:.1f}%" if util is not None else "") + f"   loss {out['loss']:.4f}")
+    if dev.kind == "gpu":
+        pool = dev.xp.get_default_memory_pool()
+        free, total = dev.xp.cuda.runtime.memGetInfo()
+        row["gib"] = pool.total_bytes() / 2**30
+        print(f"  GPU memory: CuPy pool {row['gib']:.2f} GiB; in use on the card "
+              f"{(total - free) / 2**30:.2f} GiB")
+    if args.per_kernel:
+        print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
+              else "per kernel: needs a GPU (CUDA events)")
+    run.comm.close()
+    del run
+    if kind == "gpu":                  # the next stage starts from an empty pool, as a fresh process would
+        import gc
+
+        import cupy
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+    return row
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     kind = resolve(args.device)
     from .config import preset
     from .data import write_tokens
-    from .train import mfu
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         # random tokens, enough for every step to read a fresh batch
         path = os.path.join(tmp, "bench_tokens.bin")
         n = B * T * (args.warmup + args.steps + 3) + 1
         write_tokens(path, np.random.default_rng(0).integers(0, cfg.vocab_size, n, dtype=np.int64))
-        run = make_run(args, kind, path)
-        dev = run.dev
-        paths = (f"matmul {dev.matmul}"
-                 f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
-                 f"attention {dev.attention}" if dev.kernels else "the NumPy references")
-        print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs {'on' if run.graphs.enabled else 'off'}, ZeRO stage "
-              f"{args.zero_stage}; model {args.model} ({cfg.num_parameters():,} parameters), B={B} T={T}")
-        for i in range(args.warmup):
-            run.step(i)
-        dev.synchronize()
-        times = []
-        for i in range(args.warmup, args.warmup + args.steps):
-            t0 = time.perf_counter()
-            out = run.step(i)          # ends with the host reading the loss and the norm: a full sync
-            times.append(time.perf_counter() - t0)
-        ms = float(np.median(times)) * 1e3
-        tps = B * T / (ms / 1e3)
-        util = mfu(tps, cfg, T, dev, args.precision)
-        print(f"  training step {ms:9.2f} ms (median of {args.steps}) {tps:12,.0f} tokens/s"
-              + (f"   MFU {util * 100:.1f}%" if util is not None else "") + f"   loss {out['loss']:.4f}")
-        if dev.kind == "gpu":
-            pool = dev.xp.get_default_memory_pool()
-            free, total = dev.xp.cuda.runtime.memGetInfo()
-            print(f"  GPU memory: CuPy pool {pool.total_bytes() / 2**30:.2f} GiB; in use on the card "
-                  f"{(total - free) / 2**30:.2f} GiB")
-        if args.per_kernel:
-            print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
-                  else "per kernel: needs a GPU (CUDA events)")
+        for stage in args.zero_stage:
+            rows.append(bench_stage(args, kind, cfg, path, stage))
+    if len(rows) > 1:
+        print(f"stages side by side ({args.precision}, B={B} T={T}, one rank):")
+        print(f"  {'stage':>5} {'graphs':>6} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6} {'vs first':>9} {'GiB':>6}"
+              f" {'loss':>8}")
+        for r in rows:
+            util = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "     -"
+            gib = f"{r['gib']:6.2f}" if r["gib"] is not None else "     -"
+            print(f"  {r['stage']:>5} {'on' if r['graphs'] else 'off':>6} {r['ms']:9.2f} {r['tokens_per_s']:11,.0f}"
+                  f" {util} {r['ms'] / rows[0]['ms'] - 1:+8.1%} {gib} {r['loss']:8.4f}")
+    tps = rows[-1]["tokens_per_s"]
     if args.vs_torch:
         from .torch_ref import torch_bench
-        del run
         r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, attention=args.torch_attention)
         print(f"  PyTorch {r['torch_version']} eager ({r['attention']}, {args.precision}"
               f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "

@@ -41,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
       "softmax kernel, llm.c's non-cuDNN path) or direct (one teaching kernel per step of the math)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
-      "replaying the step captured as a CUDA graph (the GPU default at ZeRO stages 0 and 1 with --comm nccl "
-      "or one rank)")
+      "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
     a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
     a("--no-overlap", action="store_true", help="stage 2: serialise each reduce-scatter with backward")
     a("--model", default=None, help="preset: tiny, small, d2, d4, d6, d12, ... (default: small on cpu, "
@@ -247,12 +246,11 @@ class Run:
         self.y = self.dev.zeros((B, T), np.int32)
         self.loss_sum = self.dev.zeros(1, np.float64)    # the step's summed per-position losses, on device
         # the micro-step and the update replay as CUDA graphs where every call in them can be captured:
-        # not with MPI's host-staged collectives, not while tracing (host timestamps), and not yet at
-        # ZeRO stage 2 (its captured micro-step, with the reduce-scatters forked to the comm stream, hung
-        # at the first replay on the H200 with NCCL: see llmz/graph.py)
+        # not with MPI's host-staged collectives, not while tracing (host timestamps). bf16 as well: AdamW's
+        # and ZeRO-2's stochastic rounding read their step from device memory (zero.set_scalars,
+        # zero.set_micro_step)
         from .graph import Graphs
-        # (bf16 as well: AdamW's stochastic rounding reads its step from device memory, zero.set_scalars)
-        self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace) and args.zero_stage < 2
+        self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace)
                              and self.comm.name in ("local", "nccl"))
         self.start_step = 0
         if self.resumed:
@@ -344,7 +342,7 @@ class Run:
         zero(self.dev, self.loss_sum)
         K = self.args.grad_accum
         for micro in range(K):
-            z.rounding_step = step * K + micro        # bf16 stage 2: fresh rounding draws every micro-step
+            z.set_micro_step(step * K + micro)        # bf16 stage 2: fresh rounding draws every micro-step
             self.next_batch(self.train_loader, backward=True)
             self.graphs.run("micro_step", self.micro_step)
         z.set_scalars(step)

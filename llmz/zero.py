@@ -47,7 +47,6 @@ class ZeroStage:
         # rounding draws from (seed, element, step)
         self.bf16 = dev.dtype == np.uint16
         self.seed = seed
-        self.rounding_step = 0                        # the micro-step being accumulated (stage 2, bf16)
         self.params = self._alloc("parameters", layout.total)
         # on the compute stream, in order with the kernels. bf16: params_host is the fp32 master; the bf16
         # parameters are its rounding to nearest at the start, and after `start_step` updates (a resume) the
@@ -66,6 +65,12 @@ class ZeroStage:
         self.m = self._alloc("optimizer_state", n_opt, opt_dtype)
         self.v = self._alloc("optimizer_state", n_opt, opt_dtype)
         self.scalars = dev.zeros(5, np.float64)       # [lr, grad_scale, 1-beta1^t, 1-beta2^t, step]
+        # the micro-step whose gradients are being accumulated (bf16 stage 2: the rounding draws), on the
+        # device like the scalars, so a replayed CUDA graph reads the current one (set_micro_step)
+        self.micro_step = dev.zeros(1, np.uint64)
+        # the two events that order the streams, made once: a captured graph records them as edges, and
+        # recording an event again moves it (a wait uses the latest record at the time of the call)
+        self.compute_done, self.comm_done = dev.event(), dev.event()
         self.norm_sq = dev.zeros(1, np.float64)
         self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
 
@@ -80,14 +85,18 @@ class ZeroStage:
 
     # ---- ordering between the two streams (no host synchronisation) -----------------------------
     def comm_waits_for_compute(self) -> None:
-        e = self.dev.event()
-        e.record(self.dev.compute_stream)
-        e.wait(self.dev.comm_stream)
+        self.compute_done.record(self.dev.compute_stream)
+        self.compute_done.wait(self.dev.comm_stream)
 
     def compute_waits_for_comm(self) -> None:
-        e = self.dev.event()
-        e.record(self.dev.comm_stream)
-        e.wait(self.dev.compute_stream)
+        self.comm_done.record(self.dev.comm_stream)
+        self.comm_done.wait(self.dev.compute_stream)
+
+    def set_micro_step(self, i: int) -> None:
+        """Before micro-step i (counted over the whole run: step * K + micro) starts: its number to the device,
+        on the compute stream (outside any captured graph; bf16 stage 2 draws its rounding words from it)."""
+        if self.bf16:
+            self.dev.copy_from_host(self.micro_step, np.array([i & 0xFFFFFFFF], np.uint64))
 
     # ---- the training step -------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -278,8 +287,10 @@ class Stage2(ZeroStage):
         self.buffers = {0: self._alloc("gradients", slot_size), 1: self._alloc("gradients", slot_size),
                         "emb": self._alloc("gradients", L.embeddings.padded_size),
                         "lnf": self._alloc("gradients", L.lnf.padded_size)}
-        # an event per reusable buffer: recorded on the comm stream once the buffer is zeroed again
-        self.free = {}
+        # an event per reusable buffer, recorded on the comm stream once the buffer is zeroed again; `pending`
+        # names the buffers whose event the compute stream must wait on before it writes them again
+        self.free = {key: self.dev.event() for key in self.buffers}
+        self.pending: set = set()
         self.reduce_scatters_in_backward = 0
 
     def _key(self, b: int):
@@ -291,9 +302,10 @@ class Stage2(ZeroStage):
 
     # the gradient store backward writes into (see llmz.model)
     def bucket(self, b: int) -> dict:
-        ev = self.free.pop(self._key(b), None)
-        if ev is not None:
-            ev.wait(self.dev.compute_stream)   # the comm stream has drained and zeroed this buffer
+        key = self._key(b)
+        if key in self.pending:
+            self.pending.discard(key)
+            self.free[key].wait(self.dev.compute_stream)   # the comm stream has drained and zeroed it
         if self.tracer:
             self.tracer.begin(self.layout.buckets[b].name, "compute")
         return self.layout.buckets[b].views(self._buffer(b))
@@ -314,7 +326,7 @@ class Stage2(ZeroStage):
             # add in fp32, round back to bf16 stochastically: element j of the shard draws at its place in
             # the whole buffer, a fresh word every micro-step
             accumulate_shard_bf16(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank, self.seed,
-                                  self.rounding_step, stream=dev.comm_stream,
+                                  self.micro_step, stream=dev.comm_stream,
                                   offset=bucket.offset + L.shard_range(bucket, self.rank)[0])
         else:
             accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
@@ -322,23 +334,25 @@ class Stage2(ZeroStage):
         if self.tracer:
             self.tracer.end(f"reduce-scatter {bucket.name}", "comm")
         self.reduce_scatters_in_backward += 1
-        ev = dev.event()
-        ev.record(dev.comm_stream)
+        key = self._key(b)
+        self.free[key].record(dev.comm_stream)
         if self.overlap:
-            self.free[self._key(b)] = ev        # compute waits only before it reuses the buffer
+            self.pending.add(key)                    # compute waits only before it reuses the buffer
         else:
-            ev.wait(dev.compute_stream)        # serialised: compute waits right away
+            self.free[key].wait(dev.compute_stream)  # serialised: compute waits right away
 
     def backward_done(self) -> None:
         """The compute stream waits for the last reduce-scatter of this micro-step (the embeddings'), so
         every buffer is free again and nothing is left on the comm stream (a captured graph must end
         joined)."""
         self.compute_waits_for_comm()
-        self.free.clear()
+        self.pending.clear()
 
     def reduce_gradients(self) -> None:
-        # everything was reduce-scattered during backward; the optimizer must wait for the last of it
-        self.compute_waits_for_comm()
+        """Nothing is left to reduce: every bucket was reduce-scattered during backward, and backward_done
+        made the compute stream wait for the last of it at the end of every micro-step. (No wait here: in
+        the captured update it would wait on an event recorded on the idle comm stream outside the capture,
+        which CUDA refuses in a capture; llmz/graph.py.)"""
 
     def owned_grads(self) -> list:
         return [self.grad_shard]

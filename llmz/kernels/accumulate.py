@@ -18,7 +18,7 @@ keeps the sum right in expectation), or to nearest for comparison. The rounding 
 import numpy as np
 from numba import cuda
 
-from ..bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
+from ..bf16 import M32, bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
 from ..device import ceil_div
 from .bf16 import bf16_to_f32_dev, hash_args, round_bf16
 
@@ -61,9 +61,11 @@ def accumulate_shard_bf16_ref(shard, slot, rank, seed, step, stochastic=True, of
 
 
 @cuda.jit
-def accumulate_shard_bf16_kernel(shard, slot, rank, n, total, stochastic, seed, step, offset):
-    """shard: (n,) uint16; slot: (total,) = (N*n,) uint16. Accumulates into shard, overwrites slot."""
+def accumulate_shard_bf16_kernel(shard, slot, rank, n, total, stochastic, seed, steps, offset):
+    """shard: (n,) uint16; slot: (total,) = (N*n,) uint16; steps: (1,) uint64, the micro-step (read on the
+    device, so a replayed CUDA graph draws fresh words). Accumulates into shard, overwrites slot."""
     i = cuda.grid(1)
+    step = steps[0] & M32
     if i < total:
         j = i - rank * n
         if 0 <= j < n:
@@ -96,11 +98,18 @@ def accumulate_shard_bf16(dev, shard_u16, slot_u16, rank, seed, step, stochastic
     taken in fp32 and rounded stochastically (or to nearest); slot = 0. One kernel, no memset.
     The random word of shard element j is that of (seed, offset + j, step): pass a different step every
     micro-step, and an offset that places the shard in the whole gradient buffer so no two elements share
-    draws. stream: as in accumulate_shard."""
+    draws. step: an int, or a (1,) uint64 device array holding it (ZeRO-2 keeps its micro-step there, written
+    before each micro-step, so a CUDA graph that captured this launch still draws fresh words every replay).
+    stream: as in accumulate_shard (an int step only on the compute stream, where its upload is ordered)."""
     n, total = shard_u16.size, slot_u16.size
     _check_split(n, total, rank)
     if not dev.kernels:
+        step = step if isinstance(step, int) else int(dev.to_host(step)[0])
         return accumulate_shard_bf16_ref(shard_u16, slot_u16, rank, seed, step, stochastic, offset)
+    if isinstance(step, int):
+        assert stream is None, "an int step is uploaded on the compute stream: pass a device array instead"
+        step = dev.asarray(np.array([step & 0xFFFFFFFF], np.uint64))
+    seed_u64, _, offset_u64 = hash_args(seed, 0, offset)
     dev.launch(accumulate_shard_bf16_kernel, ceil_div(total, dev.block_size), dev.block_size,
-               shard_u16, slot_u16, rank, n, total, bool(stochastic), *hash_args(seed, step, offset),
+               shard_u16, slot_u16, rank, n, total, bool(stochastic), seed_u64, step, offset_u64,
                stream=stream)

@@ -1,0 +1,123 @@
+"""Why ZeRO-2's captured step hung, and that it no longer does (a GPU probe; issue 18).
+
+    python tools/graph_probe.py --all            # every variant below, each in its own process, a table last
+    python tools/graph_probe.py --variant fixed --comm nccl --precision bf16
+
+One variant: a small GPT-2 at ZeRO stage 2, one rank, trained 4 steps with the step captured as CUDA graphs
+and the same 4 steps eagerly (--no-cuda-graph), from the same start; prints both loss sequences and whether
+they are bit-identical. A replay that does not finish within --timeout seconds prints where the host waits
+(faulthandler) and exits 3: the hang. The variants put back, one at a time, what the stage-2 code did before:
+  fixed            the code as it is now
+  old-reduce-wait  Stage2.reduce_gradients waits on an event recorded on the comm stream, which at that point
+                   of the update is idle and outside the capture
+  per-call-events  a new CUDA event for every record/wait pair (comm_waits_for_compute, the slot events)
+  old              both
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+VARIANTS = ("fixed", "old-reduce-wait", "per-call-events", "old")
+
+
+def patch(variant: str) -> None:
+    from llmz import zero
+    if variant in ("old-reduce-wait", "old"):
+        zero.Stage2.reduce_gradients = lambda self: self.compute_waits_for_comm()
+    if variant in ("per-call-events", "old"):
+        def comm_waits_for_compute(self):
+            e = self.dev.event()
+            e.record(self.dev.compute_stream)
+            e.wait(self.dev.comm_stream)
+
+        def compute_waits_for_comm(self):
+            e = self.dev.event()
+            e.record(self.dev.comm_stream)
+            e.wait(self.dev.compute_stream)
+        done = zero.Stage2.done
+
+        def fresh_done(self, b):
+            self.free[self._key(b)] = self.dev.event()
+            done(self, b)
+        zero.ZeroStage.comm_waits_for_compute = comm_waits_for_compute
+        zero.ZeroStage.compute_waits_for_comm = compute_waits_for_comm
+        zero.Stage2.done = fresh_done
+
+
+def losses(flags: list[str], steps: int) -> tuple[list[float], str]:
+    from llmz.launch import init_ranks
+    from llmz.train import Run, parse_args
+    args, kind = parse_args(flags)
+    run = Run(args, kind, init_ranks())
+    out = []
+    for i in range(steps):
+        out.append(run.step(i)["loss"])
+        print(f"    step {i}: loss {out[-1]!r} (graphs {'on' if run.graphs.enabled else 'off'})", flush=True)
+    digest = f"{hash(run.host_params().tobytes()) & 0xFFFFFFFF:08x}"
+    run.comm.close()
+    return out, digest
+
+
+def one(a) -> int:
+    patch(a.variant)
+    faulthandler.dump_traceback_later(a.timeout, exit=True)      # a hang: where the host waits, then exit
+    with tempfile.TemporaryDirectory() as tmp:
+        from llmz.data import write_tokens
+        path = os.path.join(tmp, "tokens.bin")
+        write_tokens(path, np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.int64))
+        flags = ["--device", "gpu", "--model", a.model, "-b", "4", "-t", "128", "--zero-stage", "2",
+                 "--comm", a.comm, "--precision", a.precision, "--grad-accum", str(a.grad_accum),
+                 "--train-data", path, "--val-data", "", "--steps", "4", "--lr", "1e-3", "--warmup-steps", "0",
+                 "--quiet", "--no-tf32"]
+        print(f"  {a.variant} {a.comm} {a.precision} K={a.grad_accum}: graphed", flush=True)
+        g, gd = losses(flags, 4)
+        print(f"  {a.variant} {a.comm} {a.precision} K={a.grad_accum}: eager", flush=True)
+        e, ed = losses(flags + ["--no-cuda-graph"], 4)
+    same = g == e and gd == ed
+    print(f"RESULT {a.variant} {a.comm} {a.precision} K={a.grad_accum}: "
+          f"{'bit-identical' if same else 'DIFFERENT'} losses and parameters (graphed {gd}, eager {ed})")
+    return 0 if same else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--variant", choices=VARIANTS, default="fixed")
+    p.add_argument("--comm", choices=("local", "nccl"), default="nccl")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--model", default="d2")
+    p.add_argument("--timeout", type=float, default=60)
+    a = p.parse_args()
+    if not a.all:
+        return one(a)
+    cases = [(v, c, pr) for v in VARIANTS for c, pr in (("nccl", "fp32"), ("local", "fp32"), ("nccl", "bf16"))
+             if v == "fixed" or pr == "fp32"]
+    rows = []
+    for v, c, pr in cases:
+        cmd = [sys.executable, __file__, "--variant", v, "--comm", c, "--precision", pr,
+               "--grad-accum", str(a.grad_accum), "--model", a.model, "--timeout", str(a.timeout)]
+        if c == "nccl":             # one rank under the launcher, as llmz.train runs it (OpenMPI: as root)
+            cmd = ["mpiexec", "--allow-run-as-root", "-n", "1"] + cmd
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 120)
+        text = r.stdout + r.stderr
+        print(text[-4000:], flush=True)
+        result = next((ln for ln in text.splitlines() if ln.startswith("RESULT")), None)
+        hung = "Timeout (0:" in text
+        rows.append((v, c, pr, "HUNG" if hung else "ok" if r.returncode == 0 else f"rc {r.returncode}",
+                     result or text.strip().splitlines()[-1][:100] if text.strip() else ""))
+    print("variant           comm   prec  outcome  detail")
+    for v, c, pr, outcome, detail in rows:
+        print(f"{v:<17} {c:<6} {pr:<5} {outcome:<8} {detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
