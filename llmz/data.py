@@ -194,10 +194,15 @@ class DataLoader:
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """The next (x, y), each a new (B, T) int32 array; wraps around after n micro-batches."""
+        x, y = self.peek()
+        self.position += 1
+        return x, y
+
+    def peek(self) -> tuple[np.ndarray, np.ndarray]:
+        """The (x, y) that next_batch() returns next, without moving on."""
         B, T = self.B, self.T
         start = self.batch_index(self.position) * self.stride + self.rank * B * T
         buf = self.tokens[start:start + B * T + 1].astype(np.int32)
-        self.position += 1
         # inputs are the first B*T tokens, targets the same shifted by one
         return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
 

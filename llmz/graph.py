@@ -8,12 +8,23 @@ work replays at ~1 µs a launch. What a captured region may not do, and how llmz
     norm stays on the device until the step is over; the learning rate is copied in before the replay;
   - change shape or argument: a graph replays exactly what it recorded, into the same addresses, so the
     batch is copied into the same input buffers every micro-step.
-NCCL calls can be captured (ZeRO-1's all-reduce of the norm and its all-gathers are: on the H200, one rank
-over NCCL at stage 1, graphed, gives the single process's losses exactly, and the 50-step fast-path curve
-follows the teaching kernels within 1.2e-7), MPI's host-staged ones cannot. Not yet ZeRO-2: its micro-step
-forks every block's reduce-scatter and accumulate to the comm stream and joins at the end, which CUDA
-allows, but the captured graph hung at its first replay (H200, one rank, NCCL); llmz.train runs stage 2
-eagerly until that is understood.
+NCCL calls can be captured, MPI's host-staged ones cannot. Ordering between the compute and the comm stream
+is by events only, and inside a capture an event wait is an edge of the graph; so each wait must be on an
+event recorded inside the same capture. ZeRO-2 broke that rule, and that was why its graphed step failed
+(reported as a hang at the first replay; measured on the H200 with tools/graph_probe.py, CUDA 13, CuPy 14.2,
+NCCL 2.28, one rank, the same code is refused at its capture):
+  - its reduce_gradients, the first call of the captured update, made the compute stream wait on an event
+    recorded on the comm stream, which at that point is idle and outside the capture. CUDA refuses that
+    wait (cudaErrorStreamCaptureIsolation: "dependency created on uncaptured work in another stream"), the
+    capture is invalidated, and end_capture raises. The wait was also useless: the micro-step already ends
+    joined (the compute stream waits for the comm stream's last reduce-scatter), so it is gone.
+  - not a cause: a new event per record/wait pair (the probe puts that back alone: the graphed run still
+    gives the eager run's losses and parameters bit for bit). Events are now made once anyway.
+  - found on the way: bf16's stochastic rounding in the accumulate took the micro-step number as a kernel
+    argument, which a graph freezes at its capture; it is read from device memory now (set_micro_step).
+With the micro-step forked to the comm stream (a reduce-scatter and an accumulate per block, beside the next
+block's backward) and joined at its end, stage 2 replays as two graphs like stages 0 and 1: the graphed and
+the eager runs give the same bits (fp32 and bf16 over NCCL, K = 2).
 
     graphs = Graphs(dev, enabled=True)
     graphs.run("micro_step", fn)      # 1st call: fn() eagerly (warm-up); 2nd: capture fn, replay; then replay

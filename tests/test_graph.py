@@ -22,14 +22,18 @@ def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto"):
     return run
 
 
-def micro_step_shard(run, micro: int) -> np.ndarray:
-    """The gradient shard after one micro-step (run through run.graphs) from a zero shard, at micro-step number
-    `micro` (bf16: the rounding draws)."""
+def accumulated_shard(run, micros: list[int], graphed: bool) -> np.ndarray:
+    """The gradient shard after the micro-steps numbered `micros` (bf16: their rounding draws) on the same batch,
+    from a zero shard; each micro-step through run.graphs (graphed) or called directly (eager)."""
     from llmz.kernels.fill import zero
     z = run.zero
     zero(run.dev, z.grad_shard)
-    z.set_micro_step(micro)
-    run.graphs.run("micro_step", run.micro_step)
+    for micro in micros:
+        z.set_micro_step(micro)
+        if graphed:
+            run.graphs.run("micro_step", run.micro_step)
+        else:
+            run.micro_step()
     return run.dev.to_host(z.grad_shard).copy()
 
 
@@ -38,17 +42,18 @@ def micro_step_shard(run, micro: int) -> np.ndarray:
 def test_stage2_micro_step_replayed_twice_gives_the_eager_gradient_shard_bit_for_bit(tmp_path, precision):
     run = stage2_run(tmp_path, "gpu", precision)
     assert run.graphs.enabled
-    eager = micro_step_shard(run, 5)             # 1st call: eager
-    first = micro_step_shard(run, 5)             # 2nd: captured, then replayed
-    second = micro_step_shard(run, 5)            # 3rd: replayed
+    eager = accumulated_shard(run, [5, 6], graphed=False)
+    first = accumulated_shard(run, [5, 6], graphed=True)      # graphs.run: eager, then captured and replayed
+    second = accumulated_shard(run, [5, 6], graphed=True)     # replayed twice
     assert run.graphs.graphs.get("micro_step") is not None
     assert np.any(eager != 0)
     assert np.array_equal(first, eager) and np.array_equal(second, eager), \
         f"{np.sum(first != eager)} and {np.sum(second != eager)} of {eager.size} shard values differ"
     if precision == "bf16":
-        # the replay reads the micro-step from the device: another micro-step draws other rounding words
-        other = micro_step_shard(run, 6)
-        assert np.sum(other != eager) > eager.size // 100
+        # the replay reads the micro-step number from the device: the second accumulation (shard + slot, not
+        # exact in bf16) rounds with other words at another micro-step
+        other = accumulated_shard(run, [5, 7], graphed=True)
+        assert np.sum(other != eager) > eager.size // 100, f"{np.sum(other != eager)} of {eager.size} differ"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -56,7 +61,7 @@ def test_graphs_run_eagerly_off_the_gpu(tmp_path, precision):
     """Off the GPU Graphs only calls fn(): the same shard every call, and no graph is kept."""
     run = stage2_run(tmp_path, "cpu", precision)
     assert not run.graphs.enabled
-    a = micro_step_shard(run, 0)
-    b = micro_step_shard(run, 0)
+    a = accumulated_shard(run, [0, 1], graphed=True)
+    b = accumulated_shard(run, [0, 1], graphed=False)
     assert np.any(a != 0) and np.array_equal(a, b)
     assert run.graphs.graphs == {}

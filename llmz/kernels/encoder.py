@@ -142,10 +142,11 @@ def wte_buckets(inp) -> np.ndarray:
     return table
 
 
-def wte_buckets_upload(dev, inp):
+def wte_buckets_upload(dev, inp, table=None):
     """inp: (B,T) int host array. Fills this device's bucket-table scratch (allocated on first use, the
-    same buffer every batch of this shape) from wte_buckets(inp) and returns it, for encoder_backward."""
-    table = wte_buckets(inp)
+    same buffer every batch of this shape) from wte_buckets(inp) (or `table`, made from inp earlier) and
+    returns it, for encoder_backward."""
+    table = wte_buckets(inp) if table is None else table
     buf = dev.scratch("wte_buckets", table.size, np.int32)
     dev.copy_from_host(buf, table)
     return buf
