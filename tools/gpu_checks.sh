@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|graphs|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -62,6 +62,26 @@ if [[ $what == stages || $what == all ]]; then
     run timeout 200 $MPIEXEC -n 2 $py -m llmz.train $F2 --zero-stage $s --comm mpi --log "$OUT/mpi2_s$s.jsonl" 2>&1 | tail -2
   done
   $py tools/compare_logs.py "$OUT/single.jsonl" "$OUT"/nccl1_s?.jsonl "$OUT"/mpi2_s?.jsonl --tol 1e-5
+fi
+if [[ $what == graphs || $what == all ]]; then
+  # issue 18: ZeRO-2 graphed. The probe (each old variant of the stage-2 code beside the fixed one), the
+  # graphed-vs-eager shard test, stage 2 graphed over NCCL against the single process (fp32, full products),
+  # bf16 stage 2 with K=2 against fp32 (1% a step), resume from a graphed stage-2 run (same bits)
+  run timeout 240 $py tools/graph_probe.py --all --timeout 30 2>&1 | tail -8
+  run timeout 120 $py -m pytest -q -p no:cacheprovider tests/test_graph.py 2>&1 | tail -2
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 0 --quiet"
+  run timeout 100 $py -m llmz.train $F --no-tf32 --log "$OUT/g_single.jsonl" 2>&1 | tail -1
+  run timeout 100 $MPIEXEC -n 1 $py -m llmz.train $F --no-tf32 --zero-stage 2 --comm nccl --log "$OUT/g_nccl_s2.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/g_single.jsonl" "$OUT/g_nccl_s2.jsonl" --tol 1e-6
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 20 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 1e-4 --warmup-steps 5 --zero-stage 2 --grad-accum 2 --quiet"
+  run timeout 100 $py -m llmz.train $F --precision fp32 --log "$OUT/g_s2k2_fp32.jsonl" 2>&1 | tail -1
+  run timeout 100 $py -m llmz.train $F --precision bf16 --checkpoint-dir "$OUT/g_ck" --checkpoint-every 10 --log "$OUT/g_s2k2_bf16.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/g_s2k2_fp32.jsonl" "$OUT/g_s2k2_bf16.jsonl" --tol 1e-2
+  run timeout 100 $py -m llmz.train $F --precision bf16 --resume "$OUT/g_ck/step_000010" --checkpoint-dir "$OUT/g_ck2" --log "$OUT/g_s2k2_bf16_resumed.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/g_s2k2_bf16.jsonl" "$OUT/g_s2k2_bf16_resumed.jsonl" --tol 0
+  rm -rf "$OUT"/g_ck "$OUT"/g_ck2
+  run timeout 200 $py -m llmz.bench --precision bf16 --zero-stage 0 1 2 2>&1 | grep -v Warn | tail -5
+  run timeout 200 $py -m llmz.bench --zero-stage 0 1 2 2>&1 | grep -v Warn | tail -5
 fi
 if [[ $what == trace || $what == all ]]; then
   # stage 2 on one rank with NCCL: the reduce-scatters and accumulates run on the comm stream
