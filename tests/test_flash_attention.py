@@ -1,0 +1,167 @@
+"""Flash attention: the NumPy reference against the plain attention reference and finite differences, the
+teaching kernels (simulator or GPU) against the reference, and on a GPU the tensor-core kernels
+(llmz.fast.flash_attention, llmz.fast.mma) against float64 and against the teaching kernels."""
+import numpy as np
+import pytest
+from test_bf16_storage import NAN_BF16, assert_within_one_step, rand_bf16
+
+from helpers import finite_diff, poisoned, rel_err
+from llmz.bf16 import bf16_to_f32
+from llmz.kernels.attention import attention_backward_ref, attention_forward_ref
+from llmz.kernels.flash_attention import (
+    BLOCK,
+    flash_attention_backward,
+    flash_attention_backward_ref,
+    flash_attention_forward,
+    flash_attention_forward_ref,
+)
+
+
+def plain(inp, dout, NH):
+    """The plain attention reference (the whole T x T softmax), float64: out, lse, dinp."""
+    B, T, C3 = inp.shape
+    out, preatt, att = np.empty((B, T, C3 // 3)), np.empty((B, NH, T, T)), np.empty((B, NH, T, T))
+    attention_forward_ref(out, preatt, att, inp, NH)
+    # lse from the scaled scores on and below the diagonal
+    s = np.where(np.tril(np.ones((T, T), dtype=bool)), preatt, -np.inf)
+    lse = np.log(np.sum(np.exp(s - s.max(-1, keepdims=True)), -1)) + s.max(-1)
+    dinp = np.zeros(inp.shape)
+    attention_backward_ref(dinp, np.empty(att.shape), np.empty(att.shape), dout, inp, att, NH)
+    return out, lse, dinp
+
+
+def flash_ref(inp, dout, NH, dinp0=None, accumulate=True):
+    """The flash reference: out, lse, dinp (accumulated onto dinp0, or overwriting)."""
+    B, T, C3 = inp.shape
+    out, lse = np.empty((B, T, C3 // 3)), np.empty((B, NH, T))
+    flash_attention_forward_ref(out, lse, inp, NH)
+    dinp = np.zeros(inp.shape) if dinp0 is None else dinp0.copy()
+    flash_attention_backward_ref(dinp, dout, inp, out, lse, NH, accumulate)
+    return out, lse, dinp
+
+
+# ---- the reference ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 17, 1000, 1030])
+def test_flash_reference_matches_plain_attention_reference(rng, T):
+    # T past the reference's 64-key tile (1000, 1030: the last tile partial), and within one tile (1, 17)
+    B, NH, hs = 2, 2, 8
+    inp = rng.normal(size=(B, T, 3 * NH * hs))
+    dout = rng.normal(size=(B, T, NH * hs))
+    want = plain(inp, dout, NH)
+    got = flash_ref(inp, dout, NH)
+    # float64, the same math in another order (online softmax, tiled sums): rounding only
+    for name, g, w in zip(("out", "lse", "dinp"), got, want):
+        assert rel_err(g, w) < 1e-12, name
+
+
+def test_flash_reference_backward_matches_finite_differences(rng):
+    B, T, NH, hs = 1, 7, 2, 3
+    inp = rng.normal(size=(B, T, 3 * NH * hs))
+    dout = rng.normal(size=(B, T, NH * hs))
+    _, _, dinp = flash_ref(inp, dout, NH)
+
+    def forward(x):
+        out, lse = np.empty((B, T, NH * hs)), np.empty((B, NH, T))
+        flash_attention_forward_ref(out, lse, x, NH)
+        return out
+    idx, g = finite_diff(forward, inp, dout)
+    # central differences in float64: truncation ~eps^2, rounding ~1e-16/eps
+    assert rel_err(dinp.reshape(-1)[idx], g) < 1e-6
+
+
+def test_flash_reference_overwrites_dinp_when_asked(rng):
+    B, T, NH, hs = 1, 9, 2, 4
+    inp, dout = rng.normal(size=(B, T, 3 * NH * hs)), rng.normal(size=(B, T, NH * hs))
+    dinp0 = rng.normal(size=inp.shape)
+    acc = flash_ref(inp, dout, NH, dinp0)[2]
+    over = flash_ref(inp, dout, NH, np.full(inp.shape, np.nan), accumulate=False)[2]
+    assert rel_err(acc - dinp0, over) < 1e-14
+
+
+# ---- the teaching kernels (simulator on CI) -------------------------------------------------------------
+def run_kernels(dev, inp, dout, NH, dinp0=None, accumulate=True, dtype=np.float32):
+    """Teaching flash forward + backward on `dev` with values stored as `dtype`, on poisoned outputs:
+    out, lse, dinp on the host."""
+    B, T, C3 = inp.shape
+    lse_dtype = np.float64 if dtype == np.float64 else np.float32
+    def poison(shape, dt):
+        return dev.full(shape, NAN_BF16, dt) if dt == np.uint16 else poisoned(dev, shape, dt)
+    out, lse = poison((B, T, C3 // 3), dtype), poison((B, NH, T), lse_dtype)
+    x = dev.asarray(inp, dtype)
+    flash_attention_forward(dev, out, lse, x, NH)
+    dinp = poison(inp.shape, dtype) if dinp0 is None else dev.asarray(dinp0, dtype)
+    flash_attention_backward(dev, dinp, dev.asarray(dout, dtype), x, out, lse, NH, accumulate)
+    return dev.to_host(out), dev.to_host(lse), dev.to_host(dinp)
+
+
+# T: one row; a partial tile; two whole tiles and one row (the causal mask on tile edges, a last tile of 1)
+@pytest.mark.parametrize("T", [1, 17, 2 * BLOCK + 1])
+def test_flash_kernels_match_reference(kdev, rng, T):
+    B, NH, hs = 2, 2, 4
+    inp = rng.normal(size=(B, T, 3 * NH * hs))
+    dout = rng.normal(size=(B, T, NH * hs))
+    dinp0 = rng.normal(size=inp.shape)                       # backward accumulates: start non-zero
+    got = run_kernels(kdev, inp, dout, NH, dinp0)
+    # the reference on the float32-rounded inputs the kernels saw
+    want = flash_ref(*(x.astype(np.float32).astype(np.float64) for x in (inp, dout)), NH,
+                     dinp0.astype(np.float32).astype(np.float64))
+    # float64 sums inside, float32 storage of inputs and results: a few float32 ulps
+    for name, g, w in zip(("out", "lse", "dinp"), got, want):
+        assert rel_err(g, w) < 1e-6, name
+
+
+def test_flash_kernels_in_float64_match_reference_to_rounding(kdev, rng):
+    if kdev.kind == "gpu":
+        pytest.skip("float64 storage is the cpu and sim paths' precision")
+    B, T, NH, hs = 1, 20, 2, 4
+    inp, dout = rng.normal(size=(B, T, 3 * NH * hs)), rng.normal(size=(B, T, NH * hs))
+    got = run_kernels(kdev, inp, dout, NH, accumulate=False, dtype=np.float64)
+    want = flash_ref(inp, dout, NH)
+    for name, g, w in zip(("out", "lse", "dinp"), got, want):
+        assert rel_err(g, w) < 1e-13, name
+
+
+def test_flash_kernels_on_bf16_are_within_one_bf16_step_of_the_reference(kdev, rng):
+    B, T, NH, hs = 1, 17, 2, 4
+    inp, dout = rand_bf16(rng, (B, T, 3 * NH * hs)), rand_bf16(rng, (B, T, NH * hs))
+    out, lse, dinp = run_kernels(kdev, inp, dout, NH, accumulate=False, dtype=np.uint16)
+    # the reference's bf16 path: the same widened inputs, results rounded once; the kernels sum in float64,
+    # the reference in float32/float64 in another order, so the two roundings can land one step apart
+    rout, rlse = np.empty(out.shape, np.uint16), np.empty(lse.shape, np.float32)
+    flash_attention_forward_ref(rout, rlse, inp, NH)
+    assert_within_one_step(out, rout)
+    assert rel_err(lse, rlse) < 1e-6
+    # backward from the kernels' own out (the rowsum D reads it), overwriting
+    rdinp = np.empty(inp.shape, np.uint16)
+    flash_attention_backward_ref(rdinp, dout, inp, out, lse, NH, accumulate=False)
+    # where a gradient sums terms that cancel, float32 rounding of the terms moves it more than a step
+    assert_within_one_step(dinp, rdinp, atol=1e-3)
+    assert rel_err(bf16_to_f32(dinp), bf16_to_f32(rdinp)) < 2 ** -8
+
+
+@pytest.mark.parametrize("t", [BLOCK - 1, BLOCK])
+def test_flash_kernels_output_at_t_does_not_depend_on_later_positions(kdev, rng, t):
+    # t: the last row of the first tile and the first row of the second (the diagonal tile's mask edge)
+    B, T, NH, hs = 1, 2 * BLOCK, 2, 4
+    inp = rng.normal(size=(B, T, 3 * NH * hs))
+    dout = rng.normal(size=(B, T, NH * hs))
+    later = inp.copy()
+    later[:, t + 1:] = rng.normal(size=later[:, t + 1:].shape) * 10
+    a, b = run_kernels(kdev, inp, dout, NH), run_kernels(kdev, later, dout, NH)
+    # positions <= t see exactly the same numbers in the same order: bit-identical out and lse
+    assert np.array_equal(a[0][:, :t + 1], b[0][:, :t + 1])
+    assert np.array_equal(a[1][..., :t + 1], b[1][..., :t + 1])
+    assert not np.allclose(a[0][:, t + 1:], b[0][:, t + 1:])
+
+
+# ---- on a GPU: the teaching kernels at long T ----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1000, 1030])
+def test_flash_teaching_kernels_match_reference_at_long_T(kdev, rng, T):
+    B, NH, hs = 2, 3, 64
+    inp = rng.normal(size=(B, T, 3 * NH * hs))
+    dout = rng.normal(size=(B, T, NH * hs))
+    got = run_kernels(kdev, inp, dout, NH, accumulate=False)
+    want = flash_ref(*(x.astype(np.float32).astype(np.float64) for x in (inp, dout)), NH)
+    for name, g, w in zip(("out", "lse", "dinp"), got, want):
+        assert rel_err(g, w) < 1e-6, name
