@@ -165,3 +165,65 @@ def test_flash_teaching_kernels_match_reference_at_long_T(kdev, rng, T):
     want = flash_ref(*(x.astype(np.float32).astype(np.float64) for x in (inp, dout)), NH)
     for name, g, w in zip(("out", "lse", "dinp"), got, want):
         assert rel_err(g, w) < 1e-6, name
+
+
+# ---- the model and the memory formula with --attention flash --------------------------------------------
+def test_model_step_with_flash_attention_matches_direct_attention(rng):
+    # a tiny model's forward and backward on the simulator (or GPU) teaching kernels with --attention flash,
+    # against the float64 references of --attention direct (the plain math; the simulator is too slow to
+    # run the direct kernels beside it in CI time)
+    from test_model import TINY, random_params, run
+
+    from llmz.device import Device
+    from llmz.layout import Layout
+    B, T = 1, 8
+    flat = random_params(Layout(TINY, 1), rng)
+    x, y = rng.integers(0, TINY.vocab_size, (B, T)), rng.integers(0, TINY.vocab_size, (B, T))
+    dev = Device("gpu" if _have_gpu() else "sim", np.float32, matmul="numba", attention="flash")
+    loss_f, logits_f, grads_f, layout = run(dev, TINY, flat.astype(np.float32), x, y, B, T)
+    loss_d, logits_d, grads_d, _ = run(Device("cpu", np.float64, attention="direct"), TINY, flat, x, y, B, T)
+    # float32 kernels against the float64 reference: rounding of sums over at most 4C = 32 terms
+    assert abs(loss_f - loss_d) / abs(loss_d) < 1e-5
+    assert rel_err(logits_f[..., :TINY.vocab_size], logits_d[..., :TINY.vocab_size]) < 1e-5
+    gf, gd = layout.views(grads_f), layout.views(grads_d)
+    for b in range(len(layout.buckets)):
+        for name in gd[b]:
+            assert rel_err(gf[b][name], gd[b][name]) < 1e-4, (layout.buckets[b].name, name)
+
+
+def _have_gpu():
+    from conftest import HAVE_GPU
+    return HAVE_GPU
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+def test_flash_activations_drop_the_square_buffers_and_match_the_memory_formula(dtype):
+    from llmz.config import preset
+    from llmz.device import Device
+    from llmz.memory import activation_elements
+    from llmz.model import Activations
+    cfg, B, T = preset("d2", vocab_size=300), 2, 64
+    value_bytes = np.dtype(dtype).itemsize
+    sizes = {}
+    for attention in ("direct", "flash"):
+        acts = Activations(cfg, Device("cpu", dtype, attention=attention), B, T)
+        values, stats = activation_elements(cfg, B, T, flash=attention == "flash")
+        # predicted = allocated, to the byte
+        assert acts.nbytes() == value_bytes * values + 4 * stats, attention
+        sizes[attention] = acts.nbytes()
+        assert hasattr(acts, "att") == (attention != "flash") and hasattr(acts, "lse") == (attention == "flash")
+    # flash saves att (L,B,NH,T,T) and preatt, dpreatt, datt (B,NH,T,T), and keeps lse (L,B,NH,T) fp32
+    L, NH = cfg.num_layers, cfg.num_heads
+    saved = value_bytes * (L + 3) * B * NH * T * T - 4 * L * B * NH * T
+    assert sizes["direct"] - sizes["flash"] == saved
+
+
+def test_training_with_flash_attention_on_cpu_follows_direct_and_reports_memory(tmp_path):
+    # llmz.train end to end (the NumPy references on cpu): the loss curve of --attention flash is direct's,
+    # and the memory report's prediction is what was allocated
+    from test_bf16_train import worker
+    (direct,), _ = worker(tmp_path / "direct", "-b", 2, "--steps", 3, "--attention", "direct")
+    (flash,), _ = worker(tmp_path / "flash", "-b", 2, "--steps", 3, "--attention", "flash")
+    np.testing.assert_allclose(flash["losses"], direct["losses"], rtol=1e-5)
+    assert flash["memory"]["predicted"] == flash["memory"]["measured"]
+    assert flash["memory"]["measured"]["activations"] < direct["memory"]["measured"]["activations"]
