@@ -6,7 +6,7 @@ import pytest
 from test_bf16_storage import NAN_BF16, assert_within_one_step, rand_bf16
 
 from helpers import finite_diff, poisoned, rel_err
-from llmz.bf16 import bf16_to_f32
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.attention import attention_backward_ref, attention_forward_ref
 from llmz.kernels.flash_attention import (
     BLOCK,
@@ -227,3 +227,82 @@ def test_training_with_flash_attention_on_cpu_follows_direct_and_reports_memory(
     np.testing.assert_allclose(flash["losses"], direct["losses"], rtol=1e-5)
     assert flash["memory"]["predicted"] == flash["memory"]["measured"]
     assert flash["memory"]["measured"]["activations"] < direct["memory"]["measured"]["activations"]
+
+
+# ---- on a GPU: the tensor-core kernels (llmz.fast) ------------------------------------------------------
+# bf16 tolerances: bf16 inputs, fp32 accumulation, P and dS rounded to bf16 for their products (as
+# FlashAttention-2 does), outputs rounded once: norm-wise relative error of out < 1e-2, of dq, dk, dv < 2e-2,
+# lse (fp32) within 1e-2 absolute. (tools/flash_check.py runs the same checks and the timings in one go.)
+FAST_TOL = {"out": 1e-2, "lse": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2}
+
+
+def _fast_dev():
+    from llmz.device import Device
+    return Device("gpu", np.uint16, matmul="cublas", attention="flash")
+
+
+def _bf16_ref(inp, dout, NH):
+    """The float64 flash reference on bf16 inputs' values: out, lse, dinp."""
+    return flash_ref(bf16_to_f32(inp).astype(np.float64), bf16_to_f32(dout).astype(np.float64), NH)
+
+
+def _errors(got, want, C):
+    out, lse, dinp = got
+    errs = {"out": rel_err(bf16_to_f32(out), want[0]), "lse": float(np.max(np.abs(lse - want[1])))}
+    d = bf16_to_f32(dinp)
+    for i, part in enumerate(("dq", "dk", "dv")):
+        errs[part] = rel_err(d[..., i * C:(i + 1) * C], want[2][..., i * C:(i + 1) * C])
+    return errs
+
+
+@pytest.mark.gpu
+def test_mma_tile_matches_float64_and_pack_rounds_to_nearest(rng):
+    from numba import cuda
+
+    from llmz.bf16 import f32_to_bf16
+    from llmz.fast.mma import mma_tile_kernel
+    A, B = rand_bf16(rng, (16, 16)), rand_bf16(rng, (16, 8))
+    C = rng.normal(size=(16, 8)).astype(np.float32)
+    d, packed = cuda.device_array((16, 8), np.float32), cuda.device_array((16, 4), np.uint32)
+    mma_tile_kernel[1, 32](d, packed, cuda.to_device(A.view(np.uint32)),
+                           cuda.to_device(np.ascontiguousarray(B.T).view(np.uint32)), cuda.to_device(C))
+    got = d.copy_to_host()
+    want = bf16_to_f32(A).astype(np.float64) @ bf16_to_f32(B).astype(np.float64) + C
+    # 16 exact bf16 products summed in fp32: a few fp32 ulps
+    assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
+    assert np.array_equal(packed.copy_to_host(), f32_to_bf16(got).view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_fast_flash_matches_float64_and_teaching_kernels_and_repeats_bit_for_bit(kdev, rng):
+    from llmz.device import Device
+    B, T, NH, hs = 4, 1024, 12, 64
+    C = NH * hs
+    inp, dout = rand_bf16(rng, (B, T, 3 * C)), rand_bf16(rng, (B, T, NH * hs))
+    want = _bf16_ref(inp, dout, NH)
+    fast = _fast_dev()
+    got = run_kernels(fast, inp, dout, NH, accumulate=False, dtype=np.uint16)
+    errs = _errors(got, want, C)
+    print(f"fast flash vs float64: {errs}")
+    assert all(errs[k] < FAST_TOL[k] for k in errs), errs
+    again = run_kernels(fast, inp, dout, NH, accumulate=False, dtype=np.uint16)
+    assert all(np.array_equal(x, y) for x, y in zip(got, again))
+    teach = Device("gpu", np.uint16, matmul="numba", attention="flash")
+    tgot = run_kernels(teach, inp, dout, NH, accumulate=False, dtype=np.uint16)
+    terrs = _errors(got, (bf16_to_f32(tgot[0]), tgot[1], bf16_to_f32(tgot[2])), C)
+    print(f"fast flash vs teaching flash: {terrs}")
+    assert all(terrs[k] < FAST_TOL[k] for k in terrs), terrs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 17, 65, 1000, 1030])
+def test_fast_flash_masks_and_partial_tiles(rng, T):
+    B, NH, hs = 2, 3, 64
+    C = NH * hs
+    inp, dout = rand_bf16(rng, (B, T, 3 * C)), rand_bf16(rng, (B, T, C))
+    dinp0 = rand_bf16(rng, (B, T, 3 * C))
+    got = run_kernels(_fast_dev(), inp, dout, NH, dinp0, accumulate=True, dtype=np.uint16)
+    want = _bf16_ref(inp, dout, NH)
+    got = (got[0], got[1], f32_to_bf16(bf16_to_f32(got[2]) - bf16_to_f32(dinp0)))    # what was added
+    errs = _errors(got, want, C)
+    assert all(errs[k] < FAST_TOL[k] for k in errs), errs

@@ -26,10 +26,13 @@ from numba.cuda import dispatcher
 dispatcher.get_current_device = lambda: type("Sm90", (), {"compute_capability": (9, 0)})()
 
 from llmz.fast import flash_attention as fa
+from llmz.fast import mma
 
 u32_3d, f32_3d = types.uint32[:, :, ::1], types.float32[:, :, ::1]
 f32, b1 = types.float32, types.boolean
 KERNELS = {
+    "mma_tile_kernel": (types.float32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1],
+                        types.float32[:, ::1]),
     "flash_forward_mma_kernel": (u32_3d, f32_3d, u32_3d, f32),
     "flash_rowsum_kernel": (f32_3d, u32_3d, u32_3d),
     "flash_dkv_mma_kernel": (u32_3d, u32_3d, u32_3d, f32_3d, f32_3d, f32, f32, b1),
@@ -40,7 +43,7 @@ KERNELS = {
 def main(outdir="/tmp/flash_ptx"):
     os.makedirs(outdir, exist_ok=True)
     for name, sig in KERNELS.items():
-        ptx, _ = cuda.compile_ptx(getattr(fa, name).py_func, sig, cc=(9, 0), fastmath=True)
+        ptx, _ = cuda.compile_ptx(getattr(mma if name.startswith('mma') else fa, name).py_func, sig, cc=(9, 0), fastmath=True)
         path = os.path.join(outdir, name + ".ptx")
         with open(path, "w") as f:
             f.write(ptx)

@@ -23,7 +23,7 @@ one A fragment (C tile n0 -> a[0] = pack(c[0], c[1]), a[1] = pack(c[2], c[3]); t
 FlashAttention keeps P = softmax(S) in registers that way, from S = Q K^T straight into O += P V.
 """
 from llvmlite import ir
-from numba import types
+from numba import cuda, types
 from numba.cuda.extending import intrinsic
 
 _F32, _I32 = ir.FloatType(), ir.IntType(32)
@@ -57,3 +57,18 @@ def pack_bf16x2(typingctx, lo, hi):
         asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
         return builder.call(asm, [args[1], args[0]])       # the first source goes to the upper half
     return sig, codegen
+
+
+@cuda.jit
+def mma_tile_kernel(d, packed, a, bt, c):
+    # One warp, one product, the layout above in code: d (16,8) float32 = A (16,16) @ B (16,8) + c (16,8).
+    # a (16,8) uint32: A's rows as bf16 pairs; bt (8,8) uint32: B's columns (rows of B^T) as bf16 pairs.
+    # packed (16,4) uint32: d's rows as bf16 pairs (pack_bf16x2). Overwrites d and packed.
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    d0, d1, d2, d3 = mma_m16n8k16_bf16(a[g, t], a[g + 8, t], a[g, 4 + t], a[g + 8, 4 + t],
+                                       bt[g, t], bt[g, 4 + t],
+                                       c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d0, d1, d2, d3
+    packed[g, t] = pack_bf16x2(d0, d1)
+    packed[g + 8, t] = pack_bf16x2(d2, d3)
