@@ -26,8 +26,8 @@ from numba import cuda
 
 from ..device import ceil_div
 from ..kernels.bf16 import pair_view
+from .mma import load_at, pack_bf16x2, store_at
 from .mma import mma_m16n8k16_bf16 as mma
-from .mma import pack_bf16x2
 
 HS = 64                     # the head size these kernels are written for
 TILE = 64                   # rows of a block's tile and of the other operand's tiles
@@ -35,6 +35,7 @@ WARPS = 4                   # warp w owns rows 16w..16w+15 of the block's tile
 THREADS = 32 * WARPS
 WORDS = HS // 2             # uint32 words (bf16 pairs) in one head's row
 PAD = WORDS + 4             # a shared row in words: +4, so rows r and r+1 start 4 banks apart
+TILE_WORDS = TILE * PAD     # a shared tile (TILE rows, or HS rows when transposed: HS = TILE), 1-D
 LOG2E = np.float32(1.4426950408889634)    # float32 constants keep the arithmetic in float32
 NEG = np.float32(-1e30)     # the mask's "minus infinity", finite so fastmath may assume no infinities
 ONE = np.float32(1.0)
@@ -53,26 +54,27 @@ def fast_applies(inp, hs: int) -> bool:
 # ---- device helpers: staging tiles into shared memory, bf16 pairs ------------------------------------
 @cuda.jit(device=True, inline=True)
 def stage_rows(tile, x, b, r0, w0, T, tid):
-    # tile (TILE, PAD) <- words w0 .. w0+WORDS of rows r0 .. r0+TILE of x[b] (0 past row T). Warp w copies
-    # rows w, w+4, ..., lane l word l: each row one coalesced 128-byte read.
-    lane = tid % 32
+    # tile (TILE * PAD words, row-major) <- words w0 .. w0+WORDS of rows r0 .. r0+TILE of x[b] (0 past row T).
+    # Warp w copies rows w, w+4, ..., lane l word l: each row one coalesced 128-byte read.
+    warp, lane = tid // 32, tid % 32
     for i in range(TILE // WARPS):
-        r = tid // 32 + WARPS * i
-        tile[r, lane] = x[b, r0 + r, w0 + lane] if r0 + r < T else ZERO
+        r = r0 + warp + WARPS * i
+        store_at(tile, warp * PAD + lane, WARPS * i * PAD, x[b, r, w0 + lane] if r < T else ZERO)
 
 
 @cuda.jit(device=True, inline=True)
 def stage_transposed(tile, x, b, r0, w0, T, tid):
-    # tile (HS, PAD): the same rows transposed, tile[c, p] = (x's channel c at rows r0+2p, r0+2p+1), the
-    # key (or query) pairs an mma B fragment holds. Warp w takes words 8w..8w+7 of the row pairs.
-    w = 8 * (tid // 32) + tid % 8
+    # tile (HS * PAD words): the same rows transposed, word [c, p] = (x's channel c at rows r0+2p, r0+2p+1),
+    # the key (or query) pairs an mma B fragment holds. Warp w takes words 8w..8w+7 of the row pairs.
+    lane = tid % 32
+    w = 8 * (tid // 32) + lane % 8
+    base = 2 * w * PAD + lane // 8
     for i in range(TILE // 8):
-        p = 4 * i + tid % 32 // 8
-        r = r0 + 2 * p
+        r = r0 + 2 * (4 * i + lane // 8)
         x0 = x[b, r, w0 + w] if r < T else ZERO
         x1 = x[b, r + 1, w0 + w] if r + 1 < T else ZERO
-        tile[2 * w, p] = (x0 & LO16) | (x1 << S16)
-        tile[2 * w + 1, p] = (x0 >> S16) | (x1 & HI16)
+        store_at(tile, base, 4 * i, (x0 & LO16) | (x1 << S16))
+        store_at(tile, base, PAD + 4 * i, (x0 >> S16) | (x1 & HI16))
 
 
 @cuda.jit(device=True, inline=True)
@@ -106,11 +108,12 @@ def flash_forward_mma_kernel(out, lse, inp, scale_log2):
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
     g, t = lane // 4, lane % 4
+    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
     ra = qt * TILE + 16 * warp + g              # the lane's two rows
     rb = ra + 8
     hq = h * WORDS
-    k_s = cuda.shared.array((TILE, PAD), numba.uint32)
-    vt_s = cuda.shared.array((HS, PAD), numba.uint32)
+    k_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    vt_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     # Q as A fragments, 4 k-steps of 16 channels, for the whole kernel
     qf = cuda.local.array(16, numba.uint32)
     for kk in range(4):
@@ -140,7 +143,7 @@ def flash_forward_mma_kernel(out, lse, inp, scale_log2):
             for j in range(8):
                 s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
                     qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
-                    k_s[8 * j + g, 8 * kk + t], k_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(k_s, fb, 8 * j * PAD + 8 * kk), load_at(k_s, fb, 8 * j * PAD + 8 * kk + 4),
                     s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
         # the causal mask, on the diagonal tile only (keys past T are past every row < T too)
         if kt == qt:
@@ -193,7 +196,7 @@ def flash_forward_mma_kernel(out, lse, inp, scale_log2):
             for j in range(8):
                 o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma(
                     pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    vt_s[8 * j + g, 8 * kk + t], vt_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(vt_s, fb, 8 * j * PAD + 8 * kk), load_at(vt_s, fb, 8 * j * PAD + 8 * kk + 4),
                     o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3])
     # the row sums over the row's 4 lanes; out = O / l; lse = scale * max + log(l)
     la += cuda.shfl_xor_sync(FULL, la, 1)
@@ -242,12 +245,13 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
     g, t = lane // 4, lane % 4
+    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
     ra = qt * TILE + 16 * warp + g
     rb = ra + 8
     hq = h * WORDS
-    k_s = cuda.shared.array((TILE, PAD), numba.uint32)
-    kt_s = cuda.shared.array((HS, PAD), numba.uint32)
-    v_s = cuda.shared.array((TILE, PAD), numba.uint32)
+    k_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    kt_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    v_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     # Q and dO as A fragments; the rows' lse (log2 units) and D
     qf = cuda.local.array(16, numba.uint32)
     dof = cuda.local.array(16, numba.uint32)
@@ -285,11 +289,11 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
             for j in range(8):
                 s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
                     qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
-                    k_s[8 * j + g, 8 * kk + t], k_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(k_s, fb, 8 * j * PAD + 8 * kk), load_at(k_s, fb, 8 * j * PAD + 8 * kk + 4),
                     s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
                 dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3] = mma(
                     dof[4 * kk], dof[4 * kk + 1], dof[4 * kk + 2], dof[4 * kk + 3],
-                    v_s[8 * j + g, 8 * kk + t], v_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(v_s, fb, 8 * j * PAD + 8 * kk), load_at(v_s, fb, 8 * j * PAD + 8 * kk + 4),
                     dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3])
         # P = exp(scale * S - lse), 0 above the diagonal; dS = P (dP - D)
         for j in range(8):
@@ -317,7 +321,7 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
             for j in range(8):
                 dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3] = mma(
                     pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    kt_s[8 * j + g, 8 * kk + t], kt_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(kt_s, fb, 8 * j * PAD + 8 * kk), load_at(kt_s, fb, 8 * j * PAD + 8 * kk + 4),
                     dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3])
     for j in range(8):
         if ra < T:
@@ -339,14 +343,15 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
     g, t = lane // 4, lane % 4
+    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
     ka = kt * TILE + 16 * warp + g
     kb = ka + 8
     hq = h * WORDS
     hk, hv = C2 + hq, 2 * C2 + hq
-    q_s = cuda.shared.array((TILE, PAD), numba.uint32)
-    qt_s = cuda.shared.array((HS, PAD), numba.uint32)
-    do_s = cuda.shared.array((TILE, PAD), numba.uint32)
-    dot_s = cuda.shared.array((HS, PAD), numba.uint32)
+    q_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    qt_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    do_s = cuda.shared.array(TILE_WORDS, numba.uint32)
+    dot_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     lse_s = cuda.shared.array(TILE, numba.float32)
     d_s = cuda.shared.array(TILE, numba.float32)
     # K and V as A fragments
@@ -388,18 +393,18 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
             for j in range(8):
                 s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
                     kf[4 * kk], kf[4 * kk + 1], kf[4 * kk + 2], kf[4 * kk + 3],
-                    q_s[8 * j + g, 8 * kk + t], q_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(q_s, fb, 8 * j * PAD + 8 * kk), load_at(q_s, fb, 8 * j * PAD + 8 * kk + 4),
                     s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
                 dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3] = mma(
                     vf[4 * kk], vf[4 * kk + 1], vf[4 * kk + 2], vf[4 * kk + 3],
-                    do_s[8 * j + g, 8 * kk + t], do_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(do_s, fb, 8 * j * PAD + 8 * kk), load_at(do_s, fb, 8 * j * PAD + 8 * kk + 4),
                     dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3])
         # P^T = exp(scale * S^T - lse[query]), 0 where query < key (diagonal tile) or query >= T (last
         # tile); dS^T = P^T (dP^T - D[query])
         masked = qt == kt or q0 + TILE > T
         for j in range(8):
             c = 8 * j + 2 * t                   # the lane's two queries: q0 + c, q0 + c + 1
-            l0, l1 = lse_s[c], lse_s[c + 1]
+            l0, l1 = load_at(lse_s, 2 * t, 8 * j), load_at(lse_s, 2 * t, 8 * j + 1)
             p0 = math.exp2(s[4 * j] * scale_log2 - l0)
             p1 = math.exp2(s[4 * j + 1] * scale_log2 - l1)
             p2 = math.exp2(s[4 * j + 2] * scale_log2 - l0)
@@ -411,7 +416,7 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
                 p2 = p2 if kb <= u < T else numba.float32(0.0)
                 p3 = p3 if kb <= u + 1 < T else numba.float32(0.0)
             s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = p0, p1, p2, p3
-            d0, d1 = d_s[c], d_s[c + 1]
+            d0, d1 = load_at(d_s, 2 * t, 8 * j), load_at(d_s, 2 * t, 8 * j + 1)
             dp[4 * j] = p0 * (dp[4 * j] - d0)
             dp[4 * j + 1] = p1 * (dp[4 * j + 1] - d1)
             dp[4 * j + 2] = p2 * (dp[4 * j + 2] - d0)
@@ -426,7 +431,7 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
             for j in range(8):
                 dv[4 * j], dv[4 * j + 1], dv[4 * j + 2], dv[4 * j + 3] = mma(
                     pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    dot_s[8 * j + g, 8 * kk + t], dot_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(dot_s, fb, 8 * j * PAD + 8 * kk), load_at(dot_s, fb, 8 * j * PAD + 8 * kk + 4),
                     dv[4 * j], dv[4 * j + 1], dv[4 * j + 2], dv[4 * j + 3])
         # dk += dS^T Q
         for kk in range(4):
@@ -438,7 +443,7 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
             for j in range(8):
                 dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3] = mma(
                     pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    qt_s[8 * j + g, 8 * kk + t], qt_s[8 * j + g, 8 * kk + 4 + t],
+                    load_at(qt_s, fb, 8 * j * PAD + 8 * kk), load_at(qt_s, fb, 8 * j * PAD + 8 * kk + 4),
                     dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3])
     for j in range(8):
         if ka < T:

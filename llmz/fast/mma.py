@@ -72,3 +72,40 @@ def mma_tile_kernel(d, packed, a, bt, c):
     d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d0, d1, d2, d3
     packed[g, t] = pack_bf16x2(d0, d1)
     packed[g + 8, t] = pack_bf16x2(d2, d3)
+
+
+# ---- unchecked loads and stores at base + offset: fragment addressing ---------------------------------
+# A kernel reads its fragments from shared tiles at (lane's base) + (a constant per unrolled step). Numba's
+# own indexing (negative-index wraparound, 2-D strides) made LLVM hoist every one of those addresses out of
+# the tile loop into its own 64-bit register (the forward kernel used 255 registers); as two `inbounds`
+# GEPs, the constant folds into the load's immediate offset ([%rd + 1152]) and one register serves all.
+@intrinsic
+def load_at(typingctx, arr, base, offset):
+    """arr[base + offset] of a 1-D C-contiguous array, unchecked (no wraparound, no bounds)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        return None
+    sig = arr.dtype(arr, base, offset)
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_pointer(context, builder, sig, args))
+    return sig, codegen
+
+
+@intrinsic
+def store_at(typingctx, arr, base, offset, value):
+    """arr[base + offset] = value (cast to arr's dtype), unchecked, as load_at."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        return None
+    sig = types.void(arr, base, offset, value)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[3], sig.args[3], sig.args[0].dtype)
+        builder.store(v, _element_pointer(context, builder, sig, args))
+    return sig, codegen
+
+
+def _element_pointer(context, builder, sig, args):
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    base = context.cast(builder, args[1], sig.args[1], types.intp)
+    offset = context.cast(builder, args[2], sig.args[2], types.intp)
+    return builder.gep(builder.gep(a.data, [base], inbounds=True), [offset], inbounds=True)
