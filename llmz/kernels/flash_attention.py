@@ -291,7 +291,9 @@ def _fast(dev) -> bool:
 
 def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
     """inp (B,T,3C) -> out (B,T,C) and lse (B,NH,T), the per-row log-sum-exp kept for backward.
-    Overwrites out and lse."""
+    Overwrites out and lse. With the fast kernels (dev.matmul == 'cublas') bf16 values of head size 64 run
+    on tensor cores (llmz.fast.flash_attention); fp32, fp64 and other head sizes run these teaching kernels
+    (exact, slow: fp32 training keeps --attention gemm, cuBLAS TF32, as its default)."""
     if not dev.kernels:
         return flash_attention_forward_ref(out, lse, inp, num_heads)
     B, T, C3 = inp.shape
