@@ -43,7 +43,9 @@ KERNELS = {
 def main(outdir="/tmp/flash_ptx"):
     os.makedirs(outdir, exist_ok=True)
     for name, sig in KERNELS.items():
-        ptx, _ = cuda.compile_ptx(getattr(mma if name.startswith('mma') else fa, name).py_func, sig, cc=(9, 0), fastmath=True)
+        kernel = getattr(mma if name.startswith("mma") else fa, name)
+        bounds = kernel.targetoptions.get("launch_bounds")
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), fastmath=True, launch_bounds=bounds)
         path = os.path.join(outdir, name + ".ptx")
         with open(path, "w") as f:
             f.write(ptx)

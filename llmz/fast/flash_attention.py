@@ -19,6 +19,7 @@ FlashAttention-2's layout (Dao 2023), products through llmz.fast.mma (bf16 in, f
 Arrays arrive as uint32 words (two bf16 each): C/2 words a row of out, 3C/2 of inp, head h at words 32h.
 """
 import math
+import os
 
 import numba
 import numpy as np
@@ -234,7 +235,14 @@ def flash_rowsum_kernel(dsum, dout, out):
         dsum[b, h, t] = acc
 
 
-@cuda.jit(fastmath=True)
+# dq's kernel asks ptxas for 3 blocks an SM (<= 168 registers: 8 bytes spilled, against 184 registers and 2
+# blocks without the bound); dk/dv's stays at 231 registers and 2 blocks (bounded to 3 it spilled 332 bytes).
+DQ_BLOCKS_PER_SM = 3
+_DQ_BOUNDS = ({} if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"      # the simulator's jit takes no bounds
+              else {"launch_bounds": (THREADS, DQ_BLOCKS_PER_SM)})
+
+
+@cuda.jit(fastmath=True, **_DQ_BOUNDS)
 def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulate):
     # dinp, inp (B,T,3C/2), dout (B,T,C/2) words; lse, dsum (B,NH,T) float32. Block (query tile, h, b):
     # dq_t = scale * sum over keys u <= t of dS[t,u] k_u, key tiles in order up to the diagonal.
