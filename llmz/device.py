@@ -20,7 +20,7 @@ import numpy as np
 
 KINDS = ("auto", "gpu", "cpu", "sim")
 MATMULS = ("auto", "cublas", "numba")
-ATTENTIONS = ("auto", "gemm", "direct")
+ATTENTIONS = ("auto", "gemm", "direct", "flash")
 
 # Ordering between streams is ours to make, with events (llmz.zero). Left on, CuPy would export its current
 # stream with every array and Numba would synchronise that stream on the host at every kernel launch that
@@ -159,6 +159,7 @@ class Device:
         if matmul == "cublas" and self.kind != "gpu":
             raise ValueError("--matmul cublas needs --device gpu")
         self.matmul = matmul if matmul != "auto" else "cublas" if self.kind == "gpu" else "numba"
+        # (the GPU default becomes "flash" here once the H200 measures it faster than "gemm": issue 17)
         self.attention = attention if attention != "auto" else "gemm" if self.kind == "gpu" else "direct"
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None

@@ -21,20 +21,23 @@ from .layout import Layout
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
 
 
-def activation_elements(c: GPT2Config, B: int, T: int) -> tuple[int, int]:
+def activation_elements(c: GPT2Config, B: int, T: int, flash: bool = False) -> tuple[int, int]:
     """Elements of llmz.model.Activations: (values, statistics). Values, in the run's precision: per layer
-    18C + NH*T per position, plus the rest; statistics (layernorm mean and rstd, losses), fp32 or wider:
-    4 per layer per position, plus 3."""
+    18C + NH*T per position (att), plus the rest; statistics (layernorm mean and rstd, losses), fp32 or
+    wider: 4 per layer per position, plus 3. Flash attention keeps no T x T buffer (no att, preatt, dpreatt,
+    datt) and instead a statistic per layer, head and position (the softmax's logsumexp)."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
-    per_layer = 18 * C + NH * T
+    square = 0 if flash else NH * T             # att per layer; preatt, dpreatt, datt in the scratch
+    per_layer = 18 * C + square
     outside = C + C + Vp                        # encoded, lnf, logits (dlogits in place; no probs: fused classifier)
-    scratch = 13 * C + 3 * NH * T               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
-    return B * T * (L * per_layer + outside + scratch), B * T * (4 * L + 3)
+    scratch = 13 * C + 3 * square               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
+    stats = 4 * L + 3 + (L * NH if flash else 0)
+    return B * T * (L * per_layer + outside + scratch), B * T * stats
 
 
-def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int) -> dict[str, int]:
+def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int, flash: bool = False) -> dict[str, int]:
     """The formula, with Ψ = the real parameter count (no padding). value_bytes 2 is bf16: the optimizer
-    state is then 4-byte master, m and v."""
+    state is then 4-byte master, m and v. flash: --attention flash's activations."""
     psi, N, b = layout.num_parameters, layout.world_size, value_bytes
     opt = 12 * psi if b == 2 else 2 * b * psi
     out = {"parameters": b * psi, "optimizer_state": opt if stage == 0 else opt // N}
@@ -43,7 +46,7 @@ def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int) -> d
     else:
         slots = 2 * max(bk.padded_size for bk in layout.buckets[1:-1])
         out["gradients"] = b * psi // N + b * (slots + layout.embeddings.padded_size + layout.lnf.padded_size)
-    values, stats = activation_elements(layout.config, B, T)
+    values, stats = activation_elements(layout.config, B, T, flash)
     out["activations"] = b * values + max(b, 4) * stats
     out["communication_buffers"] = 0
     return out
@@ -64,8 +67,9 @@ def device_used_bytes(dev) -> int | None:
     return int(dev.xp.get_default_memory_pool().used_bytes())
 
 
-def report(layout: Layout, stage: int, B: int, T: int, value_bytes: int, stage_obj, model, dev) -> dict:
-    pred = predicted(layout, stage, B, T, value_bytes)
+def report(layout: Layout, stage: int, B: int, T: int, value_bytes: int, stage_obj, model, dev,
+           flash: bool = False) -> dict:
+    pred = predicted(layout, stage, B, T, value_bytes, flash)
     meas = measured(stage_obj, model)
     rep = {"stage": stage, "world_size": layout.world_size, "value_bytes": value_bytes,
            "predicted": pred, "measured": meas,

@@ -19,6 +19,7 @@ from .kernels.attention import attention_backward, attention_forward
 from .kernels.classifier import classifier_fused, classifier_loss
 from .kernels.encoder import encoder_backward, encoder_forward
 from .kernels.fill import zero
+from .kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from .kernels.gelu import gelu_backward, gelu_forward
 from .kernels.layernorm import layernorm_backward, layernorm_forward
 from .kernels.matmul import matmul_backward, matmul_forward
@@ -57,7 +58,11 @@ class Activations:
         self.ln1_rstd = zs((L, B, T))
         self.qkv = z((L, B, T, 3 * C))
         self.atty = z((L, B, T, C))             # attention output, before the projection
-        self.att = z((L, B, NH, T, T))          # softmax of preatt, causal; zero above the diagonal from here on
+        flash = dev.attention == "flash"        # flash attention keeps no (T, T) buffer, only the lse
+        if flash:
+            self.lse = zs((L, B, NH, T))        # log-sum-exp of each row of the attention softmax
+        else:
+            self.att = z((L, B, NH, T, T))      # softmax of preatt, causal; zero above the diagonal from here on
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
         self.ln2 = z((L, B, T, C))
@@ -81,9 +86,10 @@ class Activations:
         self.dqkv = z((B, T, 3 * C))
         self.dfch_gelu = z((B, T, 4 * C))
         self.dfch = z((B, T, 4 * C))
-        self.dpreatt = z((B, NH, T, T))         # zero above the diagonal from here on (as att)
-        self.datt = z((B, NH, T, T))
-        self.preatt = z((B, NH, T, T))          # scaled q.k: forward scratch (backward needs only att)
+        if not flash:
+            self.dpreatt = z((B, NH, T, T))     # zero above the diagonal from here on (as att)
+            self.datt = z((B, NH, T, T))
+            self.preatt = z((B, NH, T, T))      # scaled q.k: forward scratch (backward needs only att)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in vars(self).values())
@@ -117,8 +123,11 @@ class GPT2:
             layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
                               w["ln1w"], w["ln1b"])
             matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
-            attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
-                              self.qkvr(layer), upper_is_zero=True)
+            if dev.attention == "flash":
+                flash_attention_forward(dev, a.atty[layer], a.lse[layer], a.qkv[layer], c.num_heads)
+            else:
+                attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
+                                  self.qkvr(layer), upper_is_zero=True)
             matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
             # MLP branch: x + fcproj(gelu(fc(ln2(x))))
@@ -171,8 +180,12 @@ class GPT2:
             # dresidual now holds d(residual2): the attention branch
             matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
                             w["attprojw"], dinp_accumulate=False)
-            attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
-                               self.qkvr(layer), accumulate=False, upper_is_zero=True)
+            if dev.attention == "flash":
+                flash_attention_backward(dev, a.dqkv, a.dbtc, a.qkv[layer], a.atty[layer], a.lse[layer], NH,
+                                         accumulate=False)
+            else:
+                attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
+                                   self.qkvr(layer), accumulate=False, upper_is_zero=True)
             matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"],
                             dinp_accumulate=False)
             layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,

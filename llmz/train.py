@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--matmul", choices=MATMULS, default="auto", help="cublas (GPU default: cuBLAS via CuPy, TF32 for "
       "fp32) or numba (the tiled teaching kernel; the simulator's default)")
     a("--attention", choices=ATTENTIONS, default="auto", help="gemm (GPU default: batched products + a "
-      "softmax kernel, llm.c's non-cuDNN path) or direct (one teaching kernel per step of the math)")
+      "softmax kernel, llm.c's non-cuDNN path), direct (one teaching kernel per step of the math) or flash "
+      "(FlashAttention-2: no T x T buffers; tensor cores for bf16 with the fast kernels)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
@@ -229,8 +230,8 @@ class Run:
         self.rng = np.random.default_rng(args.seed)     # draws the seeds of the samples printed in training
         if self.dev.kind == "gpu":                     # refuse before the big allocations, not halfway
             free, total = self.dev.xp.cuda.runtime.memGetInfo()
-            check_fits(memory.predicted(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize),
-                       free, total, self.dev.gpu_index)
+            check_fits(memory.predicted(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize,
+                                        flash=self.dev.attention == "flash"), free, total, self.dev.gpu_index)
         self.model = model.GPT2(cfg, self.dev, B, T)
         self.tracer = None
         if args.trace:
@@ -240,7 +241,7 @@ class Run:
                                     overlap=not args.no_overlap, tracer=self.tracer, seed=args.seed,
                                     start_step=self.resumed.step if self.resumed else 0)
         self.memory = memory.report(self.layout, args.zero_stage, B, T, np.dtype(dtype).itemsize,
-                                    self.zero, self.model, self.dev)
+                                    self.zero, self.model, self.dev, flash=self.dev.attention == "flash")
         self.tokens_per_step = B * T * args.grad_accum * self.world_size
         self.x = self.dev.zeros((B, T), np.int32)
         self.y = self.dev.zeros((B, T), np.int32)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|graphs|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|graphs|flash|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -48,6 +48,16 @@ if [[ $what == bf16 || $what == all ]]; then
   done
   $py tools/compare_logs.py "$OUT/bf16_s0.jsonl" "$OUT/bf16_s1.jsonl" "$OUT/bf16_s2.jsonl" --tol 1e-2
   run timeout 300 $py -m llmz.bench --precision bf16 --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_bf16.txt"
+fi
+if [[ $what == flash || $what == all ]]; then
+  # issue 17: the tensor-core flash kernels (correctness, bits, speed), a 50-step bf16 d12 curve against the
+  # gemm path (1% per step), and the bf16 bench with flash beside PyTorch eager
+  run timeout 500 $py tools/flash_check.py 2>&1 | tee "$OUT/flash_check.txt" | tail -40
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet --precision bf16"
+  run timeout 100 $py -m llmz.train $F --attention gemm --log "$OUT/curve_bf16_gemm.jsonl" 2>&1 | tail -1
+  run timeout 100 $py -m llmz.train $F --attention flash --log "$OUT/curve_bf16_flash.jsonl" 2>&1 | tail -1
+  $py tools/compare_logs.py "$OUT/curve_bf16_gemm.jsonl" "$OUT/curve_bf16_flash.jsonl" --tol 1e-2
+  run timeout 300 $py -m llmz.bench --precision bf16 --attention flash --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_bf16_flash.txt"
 fi
 if [[ $what == stages || $what == all ]]; then
   # full fp32 products (--no-tf32): TF32's rounding depends on the product's shape, and the 2-rank runs
