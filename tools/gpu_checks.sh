@@ -83,7 +83,7 @@ if [[ $what == graphs || $what == all ]]; then
   run timeout 100 $py -m llmz.train $F --no-tf32 --log "$OUT/g_single.jsonl" 2>&1 | tail -1
   run timeout 100 $MPIEXEC -n 1 $py -m llmz.train $F --no-tf32 --zero-stage 2 --comm nccl --log "$OUT/g_nccl_s2.jsonl" 2>&1 | tail -1
   $py tools/compare_logs.py "$OUT/g_single.jsonl" "$OUT/g_nccl_s2.jsonl" --tol 1e-6
-  F="--device gpu --model d12 -b 4 -t 1024 --steps 20 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 1e-4 --warmup-steps 5 --zero-stage 2 --grad-accum 2 --quiet"
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 20 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 1e-4 --warmup-steps 10 --zero-stage 2 --grad-accum 2 --quiet"
   run timeout 100 $py -m llmz.train $F --precision fp32 --log "$OUT/g_s2k2_fp32.jsonl" 2>&1 | tail -1
   run timeout 100 $py -m llmz.train $F --precision bf16 --checkpoint-dir "$OUT/g_ck" --checkpoint-every 10 --log "$OUT/g_s2k2_bf16.jsonl" 2>&1 | tail -1
   $py tools/compare_logs.py "$OUT/g_s2k2_fp32.jsonl" "$OUT/g_s2k2_bf16.jsonl" --tol 1e-2
