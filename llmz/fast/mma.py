@@ -109,3 +109,160 @@ def _element_pointer(context, builder, sig, args):
     base = context.cast(builder, args[1], sig.args[1], types.intp)
     offset = context.cast(builder, args[2], sig.args[2], types.intp)
     return builder.gep(builder.gep(a.data, [base], inbounds=True), [offset], inbounds=True)
+
+
+# ---- moving tiles: 16-byte loads, cp.async into shared memory, ldmatrix out of it ----------------------
+# A tile row of one head is 64 bf16 = 128 bytes = 8 chunks of 16 bytes. cp.async copies a chunk from global to
+# shared memory without passing through registers and without making the thread wait: a tile's copies are
+# issued, committed as a group, and waited for (cp_async_wait) only when the tile is needed, so the next
+# tile's copies fly while this tile's mmas run. ldmatrix then reads fragments out of the row-major tile, one
+# instruction for four 8 x 8 matrices of bf16: lanes 8i..8i+7 give the addresses of the 8 rows (16 bytes
+# each) of matrix i, and every lane receives one register of each matrix:
+#     ldmatrix .x4        lane 4g+t, register i = matrix i's row g, elements 2t, 2t+1
+#     ldmatrix .x4.trans  lane 4g+t, register i = matrix i's rows 2t, 2t+1, element g (one column's pair)
+# The first is an mma B fragment of S = Q K^T read from K's rows (b[0]: key g, channels 2t, 2t+1); the
+# second a B fragment of O = P V read from V's rows (b[0]: keys 2t, 2t+1, channel g): no transposed copy.
+# Shared rows padded to PAD words (PAD % 32 == 4, PAD % 4 == 0): the 8 rows of one matrix start 4 banks
+# apart (no bank conflict) and every row starts on 16 bytes (cp.async and ldmatrix need it).
+def ldmatrix_rows_lane(lane, pad):
+    """Word offset (in a row-major shared tile of `pad`-word rows) of the row address lane gives ldmatrix .x4
+    for two k-steps of a B fragment: rows 0..7, words 4i..4i+3 for matrix i = lane // 8. At tile offset
+    8j*pad + 16kp, registers (r0, r1) are (b[0], b[1]) of n-tile j, k-step 2kp; (r2, r3) of k-step 2kp+1."""
+    return (lane % 8) * pad + 4 * (lane // 8)
+
+
+def ldmatrix_trans_lane(lane, pad):
+    """Word offset of the row address lane gives ldmatrix .x4.trans for two n-tiles of a B fragment stored
+    k-major (rows = k): matrix i covers rows 8(i % 2).., words 4(i // 2)... At tile offset 16kk*pad + 8jp,
+    registers (r0, r1) are (b[0], b[1]) of k-step kk, n-tile 2jp; (r2, r3) of n-tile 2jp+1."""
+    return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
+
+
+def ldmatrix_a_lane(lane, pad):
+    """Word offset of the row address lane gives ldmatrix .x4 for an A fragment (16 rows x 16 columns,
+    row-major): matrix i covers rows 8(i % 2).., words 4(i // 2)... At tile offset 16m*pad + 8kk, registers
+    r0..r3 are a[0..3] of row tile m, k-step kk."""
+    return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
+
+
+@intrinsic
+def shared_address(typingctx, arr, index):
+    """The 32-bit .shared byte address of arr[index], arr a 1-D shared array (cuda.shared.array): the
+    address ldmatrix and cp.async take (llvm addrspacecast to addrspace 3, i.e. cvta.to.shared)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        return None
+    sig = types.uint32(arr, index)
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        p = builder.gep(a.data, [i], inbounds=True)
+        s = builder.addrspacecast(p, ir.PointerType(p.type.pointee, 3))
+        return builder.ptrtoint(s, _I32)
+    return sig, codegen
+
+
+def _ldmatrix_codegen(op):
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+        asm = ir.InlineAsm(fnty, op + " {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+        d = builder.call(asm, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+    return codegen
+
+
+@intrinsic
+def ldmatrix_x4(typingctx, addr):
+    """(addr: this lane's row address, uint32 .shared bytes) -> (r0, r1, r2, r3) uint32: register i = matrix
+    i's row lane // 4, bf16 elements 2 (lane % 4), +1. Warp-wide (every lane, no divergence)."""
+    return (types.UniTuple(types.uint32, 4)(addr),
+            _ldmatrix_codegen("ldmatrix.sync.aligned.m8n8.x4.shared.b16"))
+
+
+@intrinsic
+def ldmatrix_x4_trans(typingctx, addr):
+    """As ldmatrix_x4, transposed: register i = matrix i's rows 2 (lane % 4) (low half) and 2 (lane % 4) + 1
+    (high half) at column lane // 4."""
+    return (types.UniTuple(types.uint32, 4)(addr),
+            _ldmatrix_codegen("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"))
+
+
+def _flat_pointer(context, builder, arrty, arr, index, indexty):
+    a = context.make_array(arrty)(context, builder, arr)
+    i = context.cast(builder, index, indexty, types.intp)
+    return builder.gep(a.data, [i], inbounds=True)
+
+
+def _cp_async_codegen(op):
+    def codegen(context, builder, sig, args):
+        p = _flat_pointer(context, builder, sig.args[1], args[1], args[2], sig.args[2])
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, p.type, _I32]), op, "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [context.cast(builder, args[0], sig.args[0], types.uint32), p,
+                           context.cast(builder, args[3], sig.args[3], types.uint32)])
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def cp_async16(typingctx, saddr, arr, index, src_bytes):
+    """(saddr: uint32 .shared address, arr: a C-contiguous global array, index: flat element index, src_bytes:
+    16 or 0): start copying the 16 bytes at arr's flat element `index` (16-byte aligned) to saddr; with
+    src_bytes = 0 nothing is read and 16 zero bytes are written (a row past the end). Done at cp_async_wait."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+    return (types.void(saddr, arr, index, src_bytes),
+            _cp_async_codegen("cp.async.cg.shared.global [$0], [$1], 16, $2;"))
+
+
+@intrinsic
+def cp_async4(typingctx, saddr, arr, index, src_bytes):
+    """As cp_async16 for 4 bytes (src_bytes 4 or 0): one float32 at any 4-byte boundary."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+    return (types.void(saddr, arr, index, src_bytes),
+            _cp_async_codegen("cp.async.ca.shared.global [$0], [$1], 4, $2;"))
+
+
+@intrinsic
+def cp_async_commit(typingctx):
+    """Close the group of this thread's cp.async copies issued since the last commit."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}",
+                                  side_effect=True), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_wait(typingctx, pending):
+    """Wait until at most `pending` (a literal int) of this thread's committed groups are in flight. Other
+    threads' copies are visible only after a syncthreads that follows every thread's wait."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = pending.literal_value
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "~{memory}",
+                                  side_effect=True), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def load4_at(typingctx, arr, index):
+    """(w0, w1, w2, w3) = arr's flat elements index..index+3 (a C-contiguous array of 32-bit elements,
+    index a multiple of 4): one 16-byte load (ld.v4), unchecked."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and arr.dtype.bitwidth == 32):
+        return None
+    sig = types.UniTuple(arr.dtype, 4)(arr, index)
+
+    def codegen(context, builder, sig, args):
+        p = _flat_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        v = builder.load(builder.bitcast(p, ir.PointerType(ir.VectorType(p.type.pointee, 4))), align=16)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_element(v, ir.Constant(_I32, i))
+                                                            for i in range(4)])
+    return sig, codegen
