@@ -58,6 +58,7 @@ from llmz.fast.mma import (
     load_at,
     pack_bf16x2,
     shared_address,
+    tile_copy_chunk,
 )
 from llmz.fast.mma import mma_m16n8k16_bf16 as mma
 from llmz.kernels.bf16 import pair_view
@@ -73,6 +74,7 @@ LSE_FLOATS = 4 * BC         # dk/dv: two buffers of a tile's lse and D
 
 rows_lane = cuda.jit(device=True, inline=True)(ldmatrix_rows_lane)
 trans_lane = cuda.jit(device=True, inline=True)(ldmatrix_trans_lane)
+copy_chunk = cuda.jit(device=True, inline=True)(tile_copy_chunk)
 
 
 def _bounds(threads, blocks):
@@ -90,11 +92,9 @@ def make_kernels(warps, fwd_blocks, dq_blocks, dkv_blocks):
     @cuda.jit(device=True, inline=True)
     def copy_tile(dst, x, b, r0, w0, T, W, tid):
         # shared tile at byte address dst (BC rows of PAD words) <- words w0..w0+31 of rows r0..r0+BC of x[b]
-        # (x (B,T,W) words), rows past T zero-filled. Thread tid copies chunk tid % 8 of rows tid // 8 + k NT/8:
-        # 8 threads read one row's 128 bytes.
-        c = tid % CHUNKS
+        # (x (B,T,W) words), rows past T zero-filled; which thread copies what: mma.tile_copy_chunk.
         for i in range(PASSES):
-            r = tid // CHUNKS + (NT // CHUNKS) * i
+            r, c = copy_chunk(tid, i, NT)
             row = r0 + r
             ok = row < T
             src = (b * T + (row if ok else 0)) * W + w0 + 4 * c

@@ -35,6 +35,8 @@ f32, b1 = types.float32, types.boolean
 KERNELS = {
     "mma_tile_kernel": (types.float32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1],
                         types.float32[:, ::1]),
+    "tile_probe_kernel": (types.uint32[::1], types.float32[::1], types.uint32[:, :, ::1], types.uint32[:, :, ::1],
+                          types.uint32[:, ::1], types.uint32[:, ::1], types.float32[::1], types.int64),
     "flash_forward_mma_kernel": (u32_3d, f32_3d, u32_3d, f32),
     "flash_rowsum_kernel": (f32_3d, u32_3d, u32_3d),
     "flash_dkv_mma_kernel": (u32_3d, u32_3d, u32_3d, f32_3d, f32_3d, f32, f32, b1),
@@ -76,7 +78,7 @@ def compile_and_report(name, kernel, sig, outdir):
 def main(*args):
     outdir = next((a for a in args if not a.startswith("--")), "/tmp/flash_ptx")
     os.makedirs(outdir, exist_ok=True)
-    todo = [(name, getattr(mma if name.startswith("mma") else fa, name), sig) for name, sig in KERNELS.items()]
+    todo = [(name, getattr(mma if hasattr(mma, name) else fa, name), sig) for name, sig in KERNELS.items()]
     if "--dev" in args:
         todo += dev_kernels()
     only = [a.split("=", 1)[1] for a in args if a.startswith("--only=")]

@@ -138,11 +138,10 @@ def ldmatrix_trans_lane(lane, pad):
     return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
 
 
-def ldmatrix_a_lane(lane, pad):
-    """Word offset of the row address lane gives ldmatrix .x4 for an A fragment (16 rows x 16 columns,
-    row-major): matrix i covers rows 8(i % 2).., words 4(i // 2)... At tile offset 16m*pad + 8kk, registers
-    r0..r3 are a[0..3] of row tile m, k-step kk."""
-    return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
+def tile_copy_chunk(tid, i, nthreads):
+    """(row, chunk): the 16-byte chunk of a 64-row tile (8 chunks a row) that thread tid copies in its
+    i-th pass (nthreads threads, 512 // nthreads passes): 8 neighbouring threads read one row's 128 bytes."""
+    return tid // 8 + (nthreads // 8) * i, tid % 8
 
 
 @intrinsic
@@ -266,3 +265,47 @@ def load4_at(typingctx, arr, index):
         return context.make_tuple(builder, sig.return_type, [builder.extract_element(v, ir.Constant(_I32, i))
                                                             for i in range(4)])
     return sig, codegen
+
+
+_rows_lane = cuda.jit(device=True, inline=True)(ldmatrix_rows_lane)
+_trans_lane = cuda.jit(device=True, inline=True)(ldmatrix_trans_lane)
+_copy_chunk = cuda.jit(device=True, inline=True)(tile_copy_chunk)
+PROBE_PAD = 36
+PROBE_WORDS = 64 * PROBE_PAD
+
+
+@cuda.jit
+def tile_probe_kernel(tile, floats, ldm, ldm_t, v4, x, f, T):
+    # One block of 128 threads, the tile path in code: x (64, 32) words -> a 64-row shared tile of 36-word rows
+    # by cp_async16 (rows >= T zero-filled), f (64,) float32 -> shared by cp_async4 (past T: 0); then warp 0
+    # reads fragments: ldm[n] (32, 4) = ldmatrix_x4 at ldmatrix_rows_lane + (0, then 8*36 + 16) words,
+    # ldm_t[n] = ldmatrix_x4_trans at ldmatrix_trans_lane + (0, then 16*36 + 8); v4 (32, 4) = load4_at(x, 4 lane).
+    # tile (64*36,), floats (64,): the shared memory after the copies (padding words: 0xFFFFFFFF). Overwrites all.
+    s = cuda.shared.array(PROBE_WORDS, types.uint32)
+    sf = cuda.shared.array(64, types.float32)
+    tid = cuda.threadIdx.x
+    for i in range(PROBE_WORDS // 128):
+        s[tid + 128 * i] = 0xFFFFFFFF
+    cuda.syncthreads()
+    base, fbase = shared_address(s, 0), shared_address(sf, 0)
+    for i in range(4):
+        r, c = _copy_chunk(tid, i, 128)
+        ok = r < T
+        cp_async16(base + 4 * (r * PROBE_PAD + 4 * c), x, (r if ok else 0) * 32 + 4 * c, 16 if ok else 0)
+    if tid < 64:
+        cp_async4(fbase + 4 * tid, f, tid if tid < T else 0, 4 if tid < T else 0)
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    for i in range(PROBE_WORDS // 128):
+        tile[tid + 128 * i] = s[tid + 128 * i]
+    if tid < 64:
+        floats[tid] = sf[tid]
+    if tid < 32:
+        for n in range(2):
+            r0, r1, r2, r3 = ldmatrix_x4(base + 4 * (_rows_lane(tid, PROBE_PAD) + n * (8 * PROBE_PAD + 16)))
+            ldm[n, tid, 0], ldm[n, tid, 1], ldm[n, tid, 2], ldm[n, tid, 3] = r0, r1, r2, r3
+            r0, r1, r2, r3 = ldmatrix_x4_trans(base + 4 * (_trans_lane(tid, PROBE_PAD) + n * (16 * PROBE_PAD + 8)))
+            ldm_t[n, tid, 0], ldm_t[n, tid, 1], ldm_t[n, tid, 2], ldm_t[n, tid, 3] = r0, r1, r2, r3
+        w0, w1, w2, w3 = load4_at(x, 4 * tid)
+        v4[tid, 0], v4[tid, 1], v4[tid, 2], v4[tid, 3] = w0, w1, w2, w3
