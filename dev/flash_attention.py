@@ -20,6 +20,9 @@ version 3: version 2 with 128-row blocks of 8 warps: each K/V (Q/dO) tile is cop
            rows, so the bigger diagonal block costs no extra mma.
 version 4: version 3's backward with 64-row dk/dv blocks (version 2's, 2 blocks an SM at ~230 registers) and
            128-row dq blocks; the forward of version 3.
+version 5: the forward with 32 rows a warp (128-row blocks of 4 warps, FlashAttention-2's shape for hs=64):
+           each K/V fragment read from shared memory feeds two mmas (half the ldmatrix per mma), two
+           independent mma chains a warp; ~2x the registers (2 blocks an SM). Backward: version 4's.
 
 Each version runs in its own try/except (a compile or launch error is one line and the next version runs);
 the device is synchronised after every launch group, so an error is charged to the version that made it.
@@ -530,8 +533,180 @@ def rowsum_v4_kernel(dsum, dout, out):
         dsum[row // (NH * T), row % NH, row // NH % T] = acc
 
 
+# ---- version 5's forward: two row tiles a warp ------------------------------------------------------------
+def make_forward_2m(warps, blocks):
+    """Version 2's forward with 32 rows a warp (row tiles 32w.., 32w+16..; block 32*warps rows): every K and V
+    fragment read from shared memory feeds two mmas, and each warp has two independent mma chains."""
+    BR = 32 * warps
+    NT = 32 * warps
+    PASSES = BC * CHUNKS // NT
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(dst, x, b, r0, w0, T, W, tid):
+        for i in range(PASSES):
+            r, c = copy_chunk(tid, i, NT)
+            row = r0 + r
+            ok = row < T
+            src = (b * T + (row if ok else 0)) * W + w0 + 4 * c
+            cp_async16(dst + 4 * (r * PAD + 4 * c), x, src, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_tile(s, o, pf, m, lsum, i, k0, w0, g, t, scale_log2):
+        # row tile i of the warp (rows w0 + 16i + g, +8): the causal mask, the online softmax's statistics and
+        # O's rescale, P packed to A fragments pf[16i..]
+        ra = w0 + 16 * i + g
+        rb = ra + 8
+        if k0 + BC - 1 > w0 + 16 * i:
+            for j in range(8):
+                u = k0 + 8 * j + 2 * t
+                x = 32 * i + 4 * j
+                if u > ra:
+                    s[x] = NEG
+                if u + 1 > ra:
+                    s[x + 1] = NEG
+                if u > rb:
+                    s[x + 2] = NEG
+                if u + 1 > rb:
+                    s[x + 3] = NEG
+        xa, xb = m[2 * i], m[2 * i + 1]
+        for j in range(8):
+            x = 32 * i + 4 * j
+            xa = max(xa, max(s[x], s[x + 1]))
+            xb = max(xb, max(s[x + 2], s[x + 3]))
+        xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 1))
+        xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 2))
+        xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 1))
+        xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 2))
+        alpha_a = math.exp2((m[2 * i] - xa) * scale_log2)
+        alpha_b = math.exp2((m[2 * i + 1] - xb) * scale_log2)
+        m[2 * i], m[2 * i + 1] = xa, xb
+        la = lsum[2 * i] * alpha_a
+        lb = lsum[2 * i + 1] * alpha_b
+        for j in range(8):
+            x = 32 * i + 4 * j
+            o[x] *= alpha_a
+            o[x + 1] *= alpha_a
+            o[x + 2] *= alpha_b
+            o[x + 3] *= alpha_b
+        sa, sb = xa * scale_log2, xb * scale_log2
+        for j in range(8):
+            x = 32 * i + 4 * j
+            s[x] = math.exp2(s[x] * scale_log2 - sa)
+            s[x + 1] = math.exp2(s[x + 1] * scale_log2 - sa)
+            s[x + 2] = math.exp2(s[x + 2] * scale_log2 - sb)
+            s[x + 3] = math.exp2(s[x + 3] * scale_log2 - sb)
+            la += s[x] + s[x + 1]
+            lb += s[x + 2] + s[x + 3]
+        lsum[2 * i], lsum[2 * i + 1] = la, lb
+        for kk in range(4):
+            x = 32 * i + 8 * kk
+            pf[16 * i + 4 * kk] = pack_bf16x2(s[x], s[x + 1])
+            pf[16 * i + 4 * kk + 1] = pack_bf16x2(s[x + 2], s[x + 3])
+            pf[16 * i + 4 * kk + 2] = pack_bf16x2(s[x + 4], s[x + 5])
+            pf[16 * i + 4 * kk + 3] = pack_bf16x2(s[x + 6], s[x + 7])
+
+    @cuda.jit(fastmath=True, **_bounds(NT, blocks))
+    def forward(out, lse, inp, scale_log2):
+        # As make_kernels' forward; register arrays hold row tile i at [32i..] (o, s), [16i..] (qf, pf), and the
+        # statistics of rows (g, g+8) of row tile i at [2i], [2i+1].
+        T, W, C2 = inp.shape[1], inp.shape[2], out.shape[2]
+        qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        w0 = qt * BR + 32 * warp                    # the warp's first row
+        hq = h * WORDS
+        smem = cuda.shared.array(BUF_WORDS, numba.uint32)
+        base = shared_address(smem, 0)
+        ka = base + 4 * rows_lane(lane, PAD)
+        va = base + TILE_BYTES + 4 * trans_lane(lane, PAD)
+        nkt = (min(qt * BR + BR, T) - 1) // BC + 1
+        copy_tile(base, inp, b, 0, C2 + hq, T, W, tid)
+        copy_tile(base + TILE_BYTES, inp, b, 0, 2 * C2 + hq, T, W, tid)
+        cp_async_commit()
+        qf = cuda.local.array(32, numba.uint32)
+        for i in range(2):
+            ra = w0 + 16 * i + g
+            rb = ra + 8
+            for kk in range(4):
+                qf[16 * i + 4 * kk] = inp[b, ra, hq + 8 * kk + t] if ra < T else ZERO
+                qf[16 * i + 4 * kk + 1] = inp[b, rb, hq + 8 * kk + t] if rb < T else ZERO
+                qf[16 * i + 4 * kk + 2] = inp[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
+                qf[16 * i + 4 * kk + 3] = inp[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
+        o = cuda.local.array(64, numba.float32)
+        s = cuda.local.array(64, numba.float32)
+        pf = cuda.local.array(32, numba.uint32)
+        m = cuda.local.array(4, numba.float32)
+        lsum = cuda.local.array(4, numba.float32)
+        for i in range(64):
+            o[i] = 0.0
+        for i in range(4):
+            m[i] = NEG
+            lsum[i] = 0.0
+        for kt in range(nkt):
+            cp_async_wait(0)
+            cuda.syncthreads()
+            if kt + 1 < nkt:
+                nxt = base + ((kt + 1) % 2) * 2 * TILE_BYTES
+                copy_tile(nxt, inp, b, (kt + 1) * BC, C2 + hq, T, W, tid)
+                copy_tile(nxt + TILE_BYTES, inp, b, (kt + 1) * BC, 2 * C2 + hq, T, W, tid)
+                cp_async_commit()
+            k0 = kt * BC
+            if k0 <= w0 + 31:
+                off = (kt % 2) * 2 * TILE_BYTES
+                for i in range(64):
+                    s[i] = 0.0
+                for kp in range(2):
+                    for j in range(8):
+                        b0, b1, b2, b3 = ldmatrix_x4(ka + off + 4 * (8 * j * PAD + 16 * kp))
+                        for i in range(2):
+                            x = 32 * i + 4 * j
+                            y = 16 * i + 8 * kp
+                            s[x], s[x + 1], s[x + 2], s[x + 3] = mma(
+                                qf[y], qf[y + 1], qf[y + 2], qf[y + 3], b0, b1, s[x], s[x + 1], s[x + 2], s[x + 3])
+                            s[x], s[x + 1], s[x + 2], s[x + 3] = mma(
+                                qf[y + 4], qf[y + 5], qf[y + 6], qf[y + 7], b2, b3,
+                                s[x], s[x + 1], s[x + 2], s[x + 3])
+                softmax_tile(s, o, pf, m, lsum, 0, k0, w0, g, t, scale_log2)     # row tile 0, then 1:
+                softmax_tile(s, o, pf, m, lsum, 1, k0, w0, g, t, scale_log2)     # constant offsets
+                for kk in range(4):
+                    for jp in range(4):
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(va + off + 4 * (16 * kk * PAD + 8 * jp))
+                        for i in range(2):
+                            x = 32 * i + 8 * jp
+                            y = 16 * i + 4 * kk
+                            o[x], o[x + 1], o[x + 2], o[x + 3] = mma(
+                                pf[y], pf[y + 1], pf[y + 2], pf[y + 3], b0, b1, o[x], o[x + 1], o[x + 2], o[x + 3])
+                            o[x + 4], o[x + 5], o[x + 6], o[x + 7] = mma(
+                                pf[y], pf[y + 1], pf[y + 2], pf[y + 3], b2, b3,
+                                o[x + 4], o[x + 5], o[x + 6], o[x + 7])
+        for i in range(2):
+            ra = w0 + 16 * i + g
+            rb = ra + 8
+            la, lb = lsum[2 * i], lsum[2 * i + 1]
+            la += cuda.shfl_xor_sync(FULL, la, 1)
+            la += cuda.shfl_xor_sync(FULL, la, 2)
+            lb += cuda.shfl_xor_sync(FULL, lb, 1)
+            lb += cuda.shfl_xor_sync(FULL, lb, 2)
+            ia, ib = ONE / la, ONE / lb
+            for j in range(8):
+                x = 32 * i + 4 * j
+                if ra < T:
+                    out[b, ra, hq + 4 * j + t] = pack_bf16x2(o[x] * ia, o[x + 1] * ia)
+                if rb < T:
+                    out[b, rb, hq + 4 * j + t] = pack_bf16x2(o[x + 2] * ib, o[x + 3] * ib)
+            if t == 0 and ra < T:
+                lse[b, h, ra] = (m[2 * i] * scale_log2 + math.log2(la)) / LOG2E
+            if t == 0 and rb < T:
+                lse[b, h, rb] = (m[2 * i + 1] * scale_log2 + math.log2(lb)) / LOG2E
+
+    return forward
+
+
 K64 = make_kernels(4, fwd_blocks=4, dq_blocks=3, dkv_blocks=2)     # version 2
 K128 = make_kernels(8, fwd_blocks=2, dq_blocks=1, dkv_blocks=1)    # version 3 (and 4's forward and dq)
+F2M = make_forward_2m(4, blocks=2)                                   # version 5's forward
 
 
 # ---- launches: (dev, arrays) as llmz.fast.flash_attention's -------------------------------------------
@@ -542,10 +717,11 @@ def _flops(B, NH, T, products):
     return products * B * NH * HS * T * (T + 1)
 
 
-def forward_with(kernels, warps):
+def forward_with(kernel, rows, threads):
+    """The forward launch of `kernel`, blocks of `rows` query rows and `threads` threads."""
     def forward(dev, out, lse, inp, NH):
         B, T, _ = inp.shape
-        dev.launch(kernels[0], (ceil_div(T, 16 * warps), NH, B), 32 * warps, pair_view(out), lse, pair_view(inp),
+        dev.launch(kernel, (ceil_div(T, rows), NH, B), threads, pair_view(out), lse, pair_view(inp),
                    SCALE * LOG2E, flops=_flops(B, NH, T, 2))
     return forward
 
@@ -569,9 +745,10 @@ def v1_backward(dev, dinp, dout, inp, out, lse, dsum, NH, accumulate):
 # version: (what it is, forward, backward)
 VERSIONS = {
     1: ("llmz.fast today", v1.flash_attention_forward_fast, v1_backward),
-    2: ("cp.async x2 + ldmatrix, 64-row", forward_with(K64, 4), backward_with(K64, 4, K64, 4)),
-    3: ("as 2, 128-row blocks", forward_with(K128, 8), backward_with(K128, 8, K128, 8)),
-    4: ("as 3, dk/dv 64-row", forward_with(K128, 8), backward_with(K128, 8, K64, 4)),
+    2: ("cp.async x2 + ldmatrix, 64-row", forward_with(K64[0], 64, 128), backward_with(K64, 4, K64, 4)),
+    3: ("as 2, 128-row blocks", forward_with(K128[0], 128, 256), backward_with(K128, 8, K128, 8)),
+    4: ("as 3, dk/dv 64-row", forward_with(K128[0], 128, 256), backward_with(K128, 8, K64, 4)),
+    5: ("fwd 32 rows a warp; bwd as 4", forward_with(F2M, 128, 128), backward_with(K128, 8, K64, 4)),
 }
 
 
