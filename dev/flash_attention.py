@@ -23,13 +23,15 @@ version 4: version 3's backward with 64-row dk/dv blocks (version 2's, 2 blocks 
 version 5: the forward with 32 rows a warp (128-row blocks of 4 warps, FlashAttention-2's shape for hs=64):
            each K/V fragment read from shared memory feeds two mmas (half the ldmatrix per mma), two
            independent mma chains a warp; ~2x the registers (2 blocks an SM). Backward: version 4's.
+version 6: version 2 with its 64-row dq kernel bounded to 2 blocks an SM instead of 3 (no spills).
+The forward and the backward of a version are independent: the best of each column can be combined.
 
 Each version runs in its own try/except (a compile or launch error is one line and the next version runs);
 the device is synchronised after every launch group, so an error is charged to the version that made it.
 Checks: out and dinp poisoned (NaN) before each run; bf16 tolerances as tools/flash_check.py (norm-wise
-relative error out < 1e-2, dq/dk/dv < 2e-2, lse within 1e-2), shapes B=2 T=1024 NH=12 (overwrite), B=2 T=1030
-NH=3 and B=2 T=17 NH=3 (accumulate onto random dinp: partial tiles, masks at tile edges), and two runs of
-the first shape must give the same bits (no atomics anywhere).
+relative error out < 1e-2, dq/dk/dv < 2e-2, lse within 1e-2); shapes B=2 T=1024 NH=12, and NH=3 at T=1030,
+65 (partial last tiles), 17 (accumulating onto a random dinp), 1; two runs of the first shape must give
+the same bits (no atomics anywhere).
 Promotion: the winner's kernels replace flash_forward_mma_kernel / flash_dkv_mma_kernel / flash_dq_mma_kernel
 (and flash_rowsum_kernel) in llmz/fast/flash_attention.py with the launches in its forward/backward below.
 """
@@ -707,6 +709,7 @@ def make_forward_2m(warps, blocks):
 K64 = make_kernels(4, fwd_blocks=4, dq_blocks=3, dkv_blocks=2)     # version 2
 K128 = make_kernels(8, fwd_blocks=2, dq_blocks=1, dkv_blocks=1)    # version 3 (and 4's forward and dq)
 F2M = make_forward_2m(4, blocks=2)                                   # version 5's forward
+K64B2 = make_kernels(4, fwd_blocks=4, dq_blocks=2, dkv_blocks=2)   # version 6's dq (no spills)
 
 
 # ---- launches: (dev, arrays) as llmz.fast.flash_attention's -------------------------------------------
@@ -749,6 +752,7 @@ VERSIONS = {
     3: ("as 2, 128-row blocks", forward_with(K128[0], 128, 256), backward_with(K128, 8, K128, 8)),
     4: ("as 3, dk/dv 64-row", forward_with(K128[0], 128, 256), backward_with(K128, 8, K64, 4)),
     5: ("fwd 32 rows a warp; bwd as 4", forward_with(F2M, 128, 128), backward_with(K128, 8, K64, 4)),
+    6: ("as 2, dq 2 blocks an SM", forward_with(K64[0], 64, 128), backward_with(K64B2, 4, K64, 4)),
 }
 
 
@@ -857,10 +861,13 @@ def setup(rng):
     def f64(a):
         return None if a is None else cupy.asarray(bf16_to_f32(a).astype(np.float64))
     cases = []
-    for B, T, NH, acc in ((2, 1024, 12, False), (2, 1030, 3, True), (2, 17, 3, True)):
+    for B, T, NH, acc in ((2, 1024, 12, False), (2, 1030, 3, False), (2, 65, 3, False), (2, 17, 3, True),
+                          (1, 1, 3, False)):
         C = NH * HS
         inp, dout = f32_to_bf16(rng.normal(size=(B, T, 3 * C))), f32_to_bf16(rng.normal(size=(B, T, C)))
-        dinp0 = f32_to_bf16(rng.normal(size=(B, T, 3 * C))) if acc else None
+        # accumulating: onto a dinp0 ~10x smaller than 1, so that rounding the sum to bf16 (what the check
+        # subtracts dinp0 from) stays well inside the tolerance (onto N(0,1) at T=1030 it alone is 1.6e-2)
+        dinp0 = f32_to_bf16(0.1 * rng.normal(size=(B, T, 3 * C))) if acc else None
         want = tuple(cupy.asnumpy(a) for a in reference(f64(inp), f64(dout), NH, f64(dinp0), xp=cupy))
         cases.append((f"B={B} T={T} NH={NH}" + (" +=" if acc else ""), inp, dout, NH, dinp0, want))
     return cases
@@ -978,14 +985,16 @@ def time_sdpa():
 
 
 def registers():
+    """Registers a thread of each compiled dev kernel (what the GPU's driver reports)."""
     regs = []
-    for ver, kernels in ((2, K64), (3, K128)):
-        for k in kernels:
-            try:
-                regs.append(f"v{ver} {k.py_func.__name__} {max(k.get_regs_per_thread().values())}")
-            except Exception as e:  # noqa: BLE001 (not compiled: the version did not run)
-                regs.append(f"v{ver} {k.py_func.__name__} ({type(e).__name__})")
-    return "registers: " + ", ".join(regs)
+    kernels = [("v2", k) for k in K64] + [("v3", k) for k in K128] + [("v5", F2M), ("v6", K64B2[1])]
+    for ver, k in kernels:
+        try:
+            n = k.get_regs_per_thread()
+            regs.append(f"{ver} {k.py_func.__name__} {max(n.values()) if isinstance(n, dict) else n}")
+        except Exception as e:  # noqa: BLE001 (not compiled: the version did not run)
+            regs.append(f"{ver} {k.py_func.__name__} ({type(e).__name__})")
+    return "registers a thread: " + ", ".join(regs)
 
 
 def main(argv) -> int:

@@ -54,7 +54,7 @@ def dev_kernels():
     for label, (fwd, dq, dkv) in (("rows64", dev.K64), ("rows128", dev.K128)):
         out += [(f"dev_{label}_forward", fwd, fwd_sig), (f"dev_{label}_dq", dq, bwd_sig),
                 (f"dev_{label}_dkv", dkv, bwd_sig)]
-    out.append(("dev_2m_forward", dev.F2M, fwd_sig))
+    out += [("dev_2m_forward", dev.F2M, fwd_sig), ("dev_rows64_dq_2blocks", dev.K64B2[1], bwd_sig)]
     return out
 
 
