@@ -32,8 +32,13 @@ Checks: out and dinp poisoned (NaN) before each run; bf16 tolerances as tools/fl
 relative error out < 1e-2, dq/dk/dv < 2e-2, lse within 1e-2); shapes B=2 T=1024 NH=12, and NH=3 at T=1030,
 65 (partial last tiles), 17 (accumulating onto a random dinp), 1; two runs of the first shape must give
 the same bits (no atomics anywhere).
-Promotion: the winner's kernels replace flash_forward_mma_kernel / flash_dkv_mma_kernel / flash_dq_mma_kernel
-(and flash_rowsum_kernel) in llmz/fast/flash_attention.py with the launches in its forward/backward below.
+Promotion (after a GPU run; the best forward and the best backward may come from different versions): in
+llmz/fast/flash_attention.py, flash_forward_mma_kernel, flash_dq_mma_kernel and flash_dkv_mma_kernel become the
+winners' bodies from make_kernels / make_forward_2m as module-level kernels (their constants BR, NT, PASSES
+and launch bounds written out; copy_tile replaces stage_rows / stage_transposed), flash_rowsum_kernel becomes
+rowsum_v4_kernel, and flash_attention_forward_fast / flash_attention_backward_fast launch them as
+forward_with / backward_with below do (grid (ceil_div(T, rows), NH, B), rows and threads of the version).
+Kernel sizes: python tools/flash_ptx.py --dev (ptxas registers, spills, shared memory; no GPU needed).
 """
 import math
 import os

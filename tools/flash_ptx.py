@@ -44,7 +44,6 @@ KERNELS = {
 }
 
 
-
 def dev_kernels():
     """dev/flash_attention.py's kernels: (label, kernel, signature)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
@@ -71,8 +70,8 @@ def compile_and_report(name, kernel, sig, outdir):
     f64 = len(re.findall(r"\.f64", ptx))
     counts = {"mma": ptx.count("mma.sync"), "ldmatrix": ptx.count("ldmatrix"), "cp.async": ptx.count("cp.async."),
               "ld.v4": len(re.findall(r"ld(\.global)?\.v4", ptx))}
-    print(f"{name}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-          + f", {ptx.count('ld.local') + ptx.count('st.local')} local ld/st, {f64} f64 ops; ptxas: "
+    print(f"{name}: " + "".join(f"{v} {k}, " for k, v in counts.items() if v)
+          + f"{ptx.count('ld.local') + ptx.count('st.local')} local ld/st, {f64} f64 ops; ptxas: "
           + (info or r.stderr.strip()), flush=True)
 
 
