@@ -310,3 +310,170 @@ def test_fast_flash_masks_and_partial_tiles(rng, T):
     got = (got[0], got[1], f32_to_bf16(bf16_to_f32(got[2]) - bf16_to_f32(dinp0)))    # what was added
     errs = _errors(got, want, C)
     assert all(errs[k] < FAST_TOL[k] for k in errs), errs
+
+
+# ---- the cp.async + ldmatrix data movement of dev/flash_attention.py's versions 2-4, emulated in NumPy ------
+# The simulator cannot run inline PTX, so the schemes are checked here: which thread copies which 16 bytes of
+# a tile into which shared slot, which row address each lane gives ldmatrix (llmz.fast.mma's *_lane
+# functions, the ones the kernels call) and what each lane receives (the PTX ISA's ldmatrix semantics), and
+# that those registers, as mma fragments (llmz.fast.mma's drawing), make the products the kernels need.
+PAD = 36                    # the kernels' shared row: 32 words of a head's row + 4
+
+
+def _words_to_f64(w):
+    """uint32 words of bf16 pairs -> float64 (..., 2)."""
+    return bf16_to_f32(np.ascontiguousarray(w, np.uint32).view(np.uint16).reshape(*np.shape(w), 2)).astype(
+        np.float64)
+
+
+def _ldmatrix(smem, addr, trans):
+    """ldmatrix .x4 (.trans) over the shared words `smem`, lane l giving word address addr[l]: (32, 4) words."""
+    halves = smem.view(np.uint16)
+    regs = np.zeros((32, 4), np.uint32)
+    for i in range(4):
+        m = np.array([halves[2 * addr[8 * i + r]: 2 * addr[8 * i + r] + 8] for r in range(8)])   # 8 x 8 bf16
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            lo, hi = (m[2 * t, g], m[2 * t + 1, g]) if trans else (m[g, 2 * t], m[g, 2 * t + 1])
+            regs[lane, i] = np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+    return regs
+
+
+def _mma(a, b, c):
+    """mma.m16n8k16 on fragments as llmz.fast.mma draws them: a (32,4), b (32,2) words, c (32,4) -> d (32,4)."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = _words_to_f64(a[lane, 0]), _words_to_f64(a[lane, 1])
+        A[g, 8 + 2 * t:10 + 2 * t], A[g + 8, 8 + 2 * t:10 + 2 * t] = _words_to_f64(a[lane, 2]), _words_to_f64(a[lane, 3])
+        B[2 * t:2 * t + 2, g], B[8 + 2 * t:10 + 2 * t, g] = _words_to_f64(b[lane, 0]), _words_to_f64(b[lane, 1])
+        C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = c[lane, 0:2], c[lane, 2:4]
+    D = A @ B + C
+    d = np.zeros((32, 4))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        d[lane] = D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+    return d
+
+
+def _pack(x0, x1):
+    """pack_bf16x2, per lane: two float arrays -> words (round to nearest)."""
+    return f32_to_bf16(np.stack([x0, x1], -1)).view(np.uint32)[..., 0]
+
+
+def _copy_tile(x, r0, T, nthreads):
+    """The kernels' copy_tile: x (rows, 32) words -> a 64 x PAD shared tile (rows past T zero), as the cp.async
+    copies of every thread and pass write it; also counts how often each (row, chunk) was written."""
+    from llmz.fast.mma import tile_copy_chunk
+    smem = np.full(64 * PAD, 0xDEADBEEF, np.uint32)
+    written = np.zeros((64, 8), int)
+    for tid in range(nthreads):
+        for i in range(64 * 8 // nthreads):
+            r, c = tile_copy_chunk(tid, i, nthreads)
+            row = r0 + r
+            smem[r * PAD + 4 * c: r * PAD + 4 * c + 4] = x[row, 4 * c:4 * c + 4] if row < T else 0
+            written[r, c] += 1
+    return smem, written
+
+
+@pytest.mark.parametrize("nthreads", [128, 256])
+def test_tile_copies_cover_every_chunk_once_and_zero_fill_past_T(rng, nthreads):
+    T = 100
+    x = rng.integers(0, 2**32, size=(T, 32), dtype=np.uint32)
+    smem, written = _copy_tile(x, 64, T, nthreads)
+    assert np.all(written == 1)
+    tile = smem.reshape(64, PAD)
+    assert np.array_equal(tile[:T - 64, :32], x[64:])
+    assert np.all(tile[T - 64:, :32] == 0)
+    assert np.all(tile[:, 32:] == 0xDEADBEEF)          # the padding is never written
+
+
+def test_ldmatrix_fragments_from_row_major_tiles_make_qk_and_pv(rng):
+    # One warp of the forward kernel (rows 16w.., as every warp): S = Q K^T from K's rows by ldmatrix, then
+    # O = P V from V's rows by ldmatrix .trans, with the kernel's offsets, against NumPy's products.
+    from llmz.fast.mma import ldmatrix_rows_lane, ldmatrix_trans_lane
+    q, k, v = (rand_bf16(rng, (64, 64)) for _ in range(3))      # rows x channels, bf16 bits
+    qw, kw, vw = (a.view(np.uint32) for a in (q, k, v))        # (64, 32) words
+    ks, _ = _copy_tile(kw, 0, 64, 128)
+    vs, _ = _copy_tile(vw, 0, 64, 128)
+    lanes = np.arange(32)
+    g, t = lanes // 4, lanes % 4
+    for w in range(4):
+        ra, rb = 16 * w + g, 16 * w + g + 8
+        # Q's A fragments as the kernel loads them: qf[4kk + i]
+        qf = np.stack([qw[r, 8 * kk + c + t] for kk in range(4) for r, c in ((ra, 0), (rb, 0), (ra, 4), (rb, 4))], 1)
+        s = np.zeros((32, 32))
+        for kp in range(2):
+            for j in range(8):
+                r = _ldmatrix(ks, ldmatrix_rows_lane(lanes, PAD) + 8 * j * PAD + 16 * kp, trans=False)
+                s[:, 4 * j:4 * j + 4] = _mma(qf[:, 8 * kp:8 * kp + 4], r[:, 0:2], s[:, 4 * j:4 * j + 4])
+                s[:, 4 * j:4 * j + 4] = _mma(qf[:, 8 * kp + 4:8 * kp + 8], r[:, 2:4], s[:, 4 * j:4 * j + 4])
+        want = bf16_to_f32(q).astype(np.float64) @ bf16_to_f32(k).astype(np.float64).T
+        for j in range(8):
+            assert np.allclose(s[:, 4 * j], want[ra, 8 * j + 2 * t], rtol=1e-12, atol=1e-12)
+            assert np.allclose(s[:, 4 * j + 1], want[ra, 8 * j + 2 * t + 1], rtol=1e-12, atol=1e-12)
+            assert np.allclose(s[:, 4 * j + 2], want[rb, 8 * j + 2 * t], rtol=1e-12, atol=1e-12)
+            assert np.allclose(s[:, 4 * j + 3], want[rb, 8 * j + 2 * t + 1], rtol=1e-12, atol=1e-12)
+        # P (here: any values in S's layout) packed to A fragments as the kernel does, then O = P V
+        p = rng.normal(size=(32, 32))
+        pf = np.stack([_pack(p[:, 8 * kk + 2 * i], p[:, 8 * kk + 2 * i + 1]) for kk in range(4) for i in range(4)], 1)
+        o = np.zeros((32, 32))
+        for kk in range(4):
+            for jp in range(4):
+                r = _ldmatrix(vs, ldmatrix_trans_lane(lanes, PAD) + 16 * kk * PAD + 8 * jp, trans=True)
+                o[:, 8 * jp:8 * jp + 4] = _mma(pf[:, 4 * kk:4 * kk + 4], r[:, 0:2], o[:, 8 * jp:8 * jp + 4])
+                o[:, 8 * jp + 4:8 * jp + 8] = _mma(pf[:, 4 * kk:4 * kk + 4], r[:, 2:4], o[:, 8 * jp + 4:8 * jp + 8])
+        # the P matrix those registers hold: lane (g, t) has rows g, g+8 x keys 8j+2t, 8j+2t+1
+        P = np.zeros((16, 64))
+        pb = bf16_to_f32(f32_to_bf16(p)).astype(np.float64)
+        for j in range(8):
+            P[g, 8 * j + 2 * t], P[g, 8 * j + 2 * t + 1] = pb[:, 4 * j], pb[:, 4 * j + 1]
+            P[g + 8, 8 * j + 2 * t], P[g + 8, 8 * j + 2 * t + 1] = pb[:, 4 * j + 2], pb[:, 4 * j + 3]
+        want = P @ bf16_to_f32(v).astype(np.float64)
+        for j in range(8):
+            assert np.allclose(o[:, 4 * j], want[g, 8 * j + 2 * t], rtol=1e-12, atol=1e-12)
+            assert np.allclose(o[:, 4 * j + 1], want[g, 8 * j + 2 * t + 1], rtol=1e-12, atol=1e-12)
+            assert np.allclose(o[:, 4 * j + 2], want[g + 8, 8 * j + 2 * t], rtol=1e-12, atol=1e-12)
+            assert np.allclose(o[:, 4 * j + 3], want[g + 8, 8 * j + 2 * t + 1], rtol=1e-12, atol=1e-12)
+
+
+def test_ldmatrix_rows_are_conflict_free_and_16_byte_aligned():
+    # each 8-lane phase of ldmatrix reads 8 rows of 16 bytes: they must cover the 32 banks once, and start on
+    # 16 bytes (the kernels' tile offsets are multiples of 4 words, tiles 16-byte aligned)
+    from llmz.fast.mma import ldmatrix_rows_lane, ldmatrix_trans_lane
+    for lane_fn in (ldmatrix_rows_lane, ldmatrix_trans_lane):
+        addr = np.array([lane_fn(lane, PAD) for lane in range(32)])
+        assert np.all(addr % 4 == 0)
+        for i in range(4):
+            banks = (addr[8 * i:8 * i + 8, None] + np.arange(4)[None, :]) % 32
+            assert len(set(banks.ravel())) == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 37])
+def test_cp_async_ldmatrix_and_16_byte_loads_match_numpy(rng, T):
+    # llmz.fast.mma's tile path on the GPU (tile_probe_kernel) against its NumPy emulation above: cp.async's
+    # slots and zero fill past T, ldmatrix .x4 and .x4.trans registers per lane, 16-byte loads
+    from numba import cuda
+
+    from llmz.fast.mma import PROBE_PAD, tile_probe_kernel
+    assert PROBE_PAD == PAD
+    x = rng.integers(0, 2**32, size=(64, 32), dtype=np.uint32)
+    f = rng.normal(size=64).astype(np.float32)
+    tile, floats = cuda.device_array(64 * PAD, np.uint32), cuda.device_array(64, np.float32)
+    ldm, ldm_t, v4 = (cuda.device_array(s, np.uint32) for s in ((2, 32, 4), (2, 32, 4), (32, 4)))
+    tile_probe_kernel[1, 128](tile, floats, ldm, ldm_t, v4, cuda.to_device(x), cuda.to_device(f), T)
+    cuda.synchronize()
+    want, _ = _copy_tile(x, 0, T, 128)
+    want[want == 0xDEADBEEF] = 0xFFFFFFFF                 # the probe marks its padding so
+    smem = tile.copy_to_host()
+    assert np.array_equal(smem, want)
+    assert np.array_equal(floats.copy_to_host(), np.where(np.arange(64) < T, f, 0))
+    lanes = np.arange(32)
+    from llmz.fast.mma import ldmatrix_rows_lane, ldmatrix_trans_lane
+    for n in range(2):
+        assert np.array_equal(ldm.copy_to_host()[n],
+                              _ldmatrix(smem, ldmatrix_rows_lane(lanes, PAD) + n * (8 * PAD + 16), trans=False))
+        assert np.array_equal(ldm_t.copy_to_host()[n],
+                              _ldmatrix(smem, ldmatrix_trans_lane(lanes, PAD) + n * (16 * PAD + 8), trans=True))
+    assert np.array_equal(v4.copy_to_host(), x.reshape(-1)[:128].reshape(32, 4))

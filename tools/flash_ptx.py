@@ -1,10 +1,12 @@
 """Compile the fast flash-attention kernels for sm_90 without a GPU and report ptxas's registers and spills.
 
-    NUMBA_FORCE_CUDA_CC=9.0 python tools/flash_ptx.py [OUTDIR]
+    NUMBA_FORCE_CUDA_CC=9.0 python tools/flash_ptx.py [OUTDIR] [--dev] [--only=NAME]
 
-Needs the CUDA toolkit's libnvvm and ptxas (not a GPU, not NVRTC). Writes OUTDIR/<kernel>.ptx (default
-/tmp/flash_ptx) and prints, per kernel, the mma count in the PTX, local-memory use, float64 instructions
-(there should be none) and ptxas's summary line.
+Needs the CUDA toolkit's libnvvm and ptxas (not a GPU, not NVRTC). Writes OUTDIR/<kernel>.ptx and .cubin
+(default /tmp/flash_ptx) and prints, per kernel, the counts of the instructions that matter in the PTX (mma,
+ldmatrix, cp.async, 16-byte loads), local-memory use, float64 instructions (there should be none) and
+ptxas's summary line (registers, spills, shared memory). --dev: also dev/flash_attention.py's versions;
+--only=SUBSTRING (repeatable): just the kernels whose names contain it.
 """
 import os
 import re
@@ -33,6 +35,8 @@ f32, b1 = types.float32, types.boolean
 KERNELS = {
     "mma_tile_kernel": (types.float32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1], types.uint32[:, ::1],
                         types.float32[:, ::1]),
+    "tile_probe_kernel": (types.uint32[::1], types.float32[::1], types.uint32[:, :, ::1], types.uint32[:, :, ::1],
+                          types.uint32[:, ::1], types.uint32[:, ::1], types.float32[::1], types.int64),
     "flash_forward_mma_kernel": (u32_3d, f32_3d, u32_3d, f32),
     "flash_rowsum_kernel": (f32_3d, u32_3d, u32_3d),
     "flash_dkv_mma_kernel": (u32_3d, u32_3d, u32_3d, f32_3d, f32_3d, f32, f32, b1),
@@ -40,22 +44,48 @@ KERNELS = {
 }
 
 
-def main(outdir="/tmp/flash_ptx"):
+def dev_kernels():
+    """dev/flash_attention.py's kernels: (label, kernel, signature)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
+    import flash_attention as dev
+    fwd_sig, bwd_sig = KERNELS["flash_forward_mma_kernel"], KERNELS["flash_dq_mma_kernel"]
+    out = [("dev_rowsum_v4_kernel", dev.rowsum_v4_kernel, KERNELS["flash_rowsum_kernel"])]
+    for label, (fwd, dq, dkv) in (("rows64", dev.K64), ("rows128", dev.K128)):
+        out += [(f"dev_{label}_forward", fwd, fwd_sig), (f"dev_{label}_dq", dq, bwd_sig),
+                (f"dev_{label}_dkv", dkv, bwd_sig)]
+    out += [("dev_2m_forward", dev.F2M, fwd_sig), ("dev_rows64_dq_2blocks", dev.K64B2[1], bwd_sig)]
+    return out
+
+
+def compile_and_report(name, kernel, sig, outdir):
+    bounds = kernel.targetoptions.get("launch_bounds")
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), fastmath=True, launch_bounds=bounds)
+    path = os.path.join(outdir, name + ".ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    r = subprocess.run(["ptxas", "-arch=sm_90", "-v", path, "-o", path[:-4] + ".cubin"], check=False,
+                       capture_output=True, text=True)
+    info = " ".join(line.split("info    : ", 1)[-1].strip() for line in r.stderr.splitlines()
+                    if "registers" in line or "spill" in line)
+    f64 = len(re.findall(r"\.f64", ptx))
+    counts = {"mma": ptx.count("mma.sync"), "ldmatrix": ptx.count("ldmatrix"), "cp.async": ptx.count("cp.async."),
+              "ld.v4": len(re.findall(r"ld(\.global)?\.v4", ptx))}
+    print(f"{name}: " + "".join(f"{v} {k}, " for k, v in counts.items() if v)
+          + f"{ptx.count('ld.local') + ptx.count('st.local')} local ld/st, {f64} f64 ops; ptxas: "
+          + (info or r.stderr.strip()), flush=True)
+
+
+def main(*args):
+    outdir = next((a for a in args if not a.startswith("--")), "/tmp/flash_ptx")
     os.makedirs(outdir, exist_ok=True)
-    for name, sig in KERNELS.items():
-        kernel = getattr(mma if name.startswith("mma") else fa, name)
-        bounds = kernel.targetoptions.get("launch_bounds")
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), fastmath=True, launch_bounds=bounds)
-        path = os.path.join(outdir, name + ".ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        r = subprocess.run(["ptxas", "-arch=sm_90", "-v", path, "-o", os.devnull], check=False,
-                           capture_output=True, text=True)
-        info = " ".join(line.split("info    : ", 1)[-1].strip() for line in r.stderr.splitlines()
-                        if "registers" in line or "spill" in line)
-        f64 = len(re.findall(r"\.f64", ptx))
-        print(f"{name}: {ptx.count('mma.sync')} mma, {ptx.count('ld.local') + ptx.count('st.local')} local ld/st, "
-              f"{f64} f64 ops; ptxas: {info or r.stderr.strip()}")
+    todo = [(name, getattr(mma if hasattr(mma, name) else fa, name), sig) for name, sig in KERNELS.items()]
+    if "--dev" in args:
+        todo += dev_kernels()
+    only = [a.split("=", 1)[1] for a in args if a.startswith("--only=")]
+    for name, kernel, sig in todo:
+        if only and not any(o in name for o in only):
+            continue
+        compile_and_report(name, kernel, sig, outdir)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,203 @@ def _element_pointer(context, builder, sig, args):
     base = context.cast(builder, args[1], sig.args[1], types.intp)
     offset = context.cast(builder, args[2], sig.args[2], types.intp)
     return builder.gep(builder.gep(a.data, [base], inbounds=True), [offset], inbounds=True)
+
+
+# ---- moving tiles: 16-byte loads, cp.async into shared memory, ldmatrix out of it ----------------------
+# A tile row of one head is 64 bf16 = 128 bytes = 8 chunks of 16 bytes. cp.async copies a chunk from global to
+# shared memory without passing through registers and without making the thread wait: a tile's copies are
+# issued, committed as a group, and waited for (cp_async_wait) only when the tile is needed, so the next
+# tile's copies fly while this tile's mmas run. ldmatrix then reads fragments out of the row-major tile, one
+# instruction for four 8 x 8 matrices of bf16: lanes 8i..8i+7 give the addresses of the 8 rows (16 bytes
+# each) of matrix i, and every lane receives one register of each matrix:
+#     ldmatrix .x4        lane 4g+t, register i = matrix i's row g, elements 2t, 2t+1
+#     ldmatrix .x4.trans  lane 4g+t, register i = matrix i's rows 2t, 2t+1, element g (one column's pair)
+# The first is an mma B fragment of S = Q K^T read from K's rows (b[0]: key g, channels 2t, 2t+1); the
+# second a B fragment of O = P V read from V's rows (b[0]: keys 2t, 2t+1, channel g): no transposed copy.
+# Shared rows padded to PAD words (PAD % 32 == 4, PAD % 4 == 0): the 8 rows of one matrix start 4 banks
+# apart (no bank conflict) and every row starts on 16 bytes (cp.async and ldmatrix need it).
+def ldmatrix_rows_lane(lane, pad):
+    """Word offset (in a row-major shared tile of `pad`-word rows) of the row address lane gives ldmatrix .x4
+    for two k-steps of a B fragment: rows 0..7, words 4i..4i+3 for matrix i = lane // 8. At tile offset
+    8j*pad + 16kp, registers (r0, r1) are (b[0], b[1]) of n-tile j, k-step 2kp; (r2, r3) of k-step 2kp+1."""
+    return (lane % 8) * pad + 4 * (lane // 8)
+
+
+def ldmatrix_trans_lane(lane, pad):
+    """Word offset of the row address lane gives ldmatrix .x4.trans for two n-tiles of a B fragment stored
+    k-major (rows = k): matrix i covers rows 8(i % 2).., words 4(i // 2)... At tile offset 16kk*pad + 8jp,
+    registers (r0, r1) are (b[0], b[1]) of k-step kk, n-tile 2jp; (r2, r3) of n-tile 2jp+1."""
+    return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
+
+
+def tile_copy_chunk(tid, i, nthreads):
+    """(row, chunk): the 16-byte chunk of a 64-row tile (8 chunks a row) that thread tid copies in its
+    i-th pass (nthreads threads, 512 // nthreads passes): 8 neighbouring threads read one row's 128 bytes."""
+    return tid // 8 + (nthreads // 8) * i, tid % 8
+
+
+@intrinsic
+def shared_address(typingctx, arr, index):
+    """The 32-bit .shared byte address of arr[index], arr a 1-D shared array (cuda.shared.array): the
+    address ldmatrix and cp.async take (llvm addrspacecast to addrspace 3, i.e. cvta.to.shared)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        return None
+    sig = types.uint32(arr, index)
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        p = builder.gep(a.data, [i], inbounds=True)
+        s = builder.addrspacecast(p, ir.PointerType(p.type.pointee, 3))
+        return builder.ptrtoint(s, _I32)
+    return sig, codegen
+
+
+def _ldmatrix_codegen(op):
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+        asm = ir.InlineAsm(fnty, op + " {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+        d = builder.call(asm, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+    return codegen
+
+
+@intrinsic
+def ldmatrix_x4(typingctx, addr):
+    """(addr: this lane's row address, uint32 .shared bytes) -> (r0, r1, r2, r3) uint32: register i = matrix
+    i's row lane // 4, bf16 elements 2 (lane % 4), +1. Warp-wide (every lane, no divergence)."""
+    return (types.UniTuple(types.uint32, 4)(addr),
+            _ldmatrix_codegen("ldmatrix.sync.aligned.m8n8.x4.shared.b16"))
+
+
+@intrinsic
+def ldmatrix_x4_trans(typingctx, addr):
+    """As ldmatrix_x4, transposed: register i = matrix i's rows 2 (lane % 4) (low half) and 2 (lane % 4) + 1
+    (high half) at column lane // 4."""
+    return (types.UniTuple(types.uint32, 4)(addr),
+            _ldmatrix_codegen("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"))
+
+
+def _flat_pointer(context, builder, arrty, arr, index, indexty):
+    a = context.make_array(arrty)(context, builder, arr)
+    i = context.cast(builder, index, indexty, types.intp)
+    return builder.gep(a.data, [i], inbounds=True)
+
+
+def _cp_async_codegen(op):
+    def codegen(context, builder, sig, args):
+        p = _flat_pointer(context, builder, sig.args[1], args[1], args[2], sig.args[2])
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, p.type, _I32]), op, "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [context.cast(builder, args[0], sig.args[0], types.uint32), p,
+                           context.cast(builder, args[3], sig.args[3], types.uint32)])
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def cp_async16(typingctx, saddr, arr, index, src_bytes):
+    """(saddr: uint32 .shared address, arr: a C-contiguous global array, index: flat element index, src_bytes:
+    16 or 0): start copying the 16 bytes at arr's flat element `index` (16-byte aligned) to saddr; with
+    src_bytes = 0 nothing is read and 16 zero bytes are written (a row past the end). Done at cp_async_wait."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+    return (types.void(saddr, arr, index, src_bytes),
+            _cp_async_codegen("cp.async.cg.shared.global [$0], [$1], 16, $2;"))
+
+
+@intrinsic
+def cp_async4(typingctx, saddr, arr, index, src_bytes):
+    """As cp_async16 for 4 bytes (src_bytes 4 or 0): one float32 at any 4-byte boundary."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+    return (types.void(saddr, arr, index, src_bytes),
+            _cp_async_codegen("cp.async.ca.shared.global [$0], [$1], 4, $2;"))
+
+
+@intrinsic
+def cp_async_commit(typingctx):
+    """Close the group of this thread's cp.async copies issued since the last commit."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}",
+                                  side_effect=True), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_wait(typingctx, pending):
+    """Wait until at most `pending` (a literal int) of this thread's committed groups are in flight. Other
+    threads' copies are visible only after a syncthreads that follows every thread's wait."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = pending.literal_value
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "~{memory}",
+                                  side_effect=True), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def load4_at(typingctx, arr, index):
+    """(w0, w1, w2, w3) = arr's flat elements index..index+3 (a C-contiguous array of 32-bit elements,
+    index a multiple of 4): one 16-byte load (ld.v4), unchecked."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and arr.dtype.bitwidth == 32):
+        return None
+    sig = types.UniTuple(arr.dtype, 4)(arr, index)
+
+    def codegen(context, builder, sig, args):
+        p = _flat_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        v = builder.load(builder.bitcast(p, ir.PointerType(ir.VectorType(p.type.pointee, 4))), align=16)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_element(v, ir.Constant(_I32, i))
+                                                            for i in range(4)])
+    return sig, codegen
+
+
+_rows_lane = cuda.jit(device=True, inline=True)(ldmatrix_rows_lane)
+_trans_lane = cuda.jit(device=True, inline=True)(ldmatrix_trans_lane)
+_copy_chunk = cuda.jit(device=True, inline=True)(tile_copy_chunk)
+PROBE_PAD = 36
+PROBE_WORDS = 64 * PROBE_PAD
+
+
+@cuda.jit
+def tile_probe_kernel(tile, floats, ldm, ldm_t, v4, x, f, T):
+    # One block of 128 threads, the tile path in code: x (64, 32) words -> a 64-row shared tile of 36-word rows
+    # by cp_async16 (rows >= T zero-filled), f (64,) float32 -> shared by cp_async4 (past T: 0); then warp 0
+    # reads fragments: ldm[n] (32, 4) = ldmatrix_x4 at ldmatrix_rows_lane + (0, then 8*36 + 16) words,
+    # ldm_t[n] = ldmatrix_x4_trans at ldmatrix_trans_lane + (0, then 16*36 + 8); v4 (32, 4) = load4_at(x, 4 lane).
+    # tile (64*36,), floats (64,): the shared memory after the copies (padding words: 0xFFFFFFFF). Overwrites all.
+    s = cuda.shared.array(PROBE_WORDS, types.uint32)
+    sf = cuda.shared.array(64, types.float32)
+    tid = cuda.threadIdx.x
+    for i in range(PROBE_WORDS // 128):
+        s[tid + 128 * i] = 0xFFFFFFFF
+    cuda.syncthreads()
+    base, fbase = shared_address(s, 0), shared_address(sf, 0)
+    for i in range(4):
+        r, c = _copy_chunk(tid, i, 128)
+        ok = r < T
+        cp_async16(base + 4 * (r * PROBE_PAD + 4 * c), x, (r if ok else 0) * 32 + 4 * c, 16 if ok else 0)
+    if tid < 64:
+        cp_async4(fbase + 4 * tid, f, tid if tid < T else 0, 4 if tid < T else 0)
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    for i in range(PROBE_WORDS // 128):
+        tile[tid + 128 * i] = s[tid + 128 * i]
+    if tid < 64:
+        floats[tid] = sf[tid]
+    if tid < 32:
+        for n in range(2):
+            r0, r1, r2, r3 = ldmatrix_x4(base + 4 * (_rows_lane(tid, PROBE_PAD) + n * (8 * PROBE_PAD + 16)))
+            ldm[n, tid, 0], ldm[n, tid, 1], ldm[n, tid, 2], ldm[n, tid, 3] = r0, r1, r2, r3
+            r0, r1, r2, r3 = ldmatrix_x4_trans(base + 4 * (_trans_lane(tid, PROBE_PAD) + n * (16 * PROBE_PAD + 8)))
+            ldm_t[n, tid, 0], ldm_t[n, tid, 1], ldm_t[n, tid, 2], ldm_t[n, tid, 3] = r0, r1, r2, r3
+        w0, w1, w2, w3 = load4_at(x, 4 * tid)
+        v4[tid, 0], v4[tid, 1], v4[tid, 2], v4[tid, 3] = w0, w1, w2, w3
