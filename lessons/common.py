@@ -45,6 +45,7 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
         p.add_argument("--grad-accum", type=int, default=grad_accum, help="K micro-steps per step")
     p.add_argument("--out", default="lessons_out", help="where figures go")
     a = p.parse_args(argv)
+    a.lesson = name
     a.kind = resolve(a.device)
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
@@ -57,15 +58,35 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     return a
 
 
-def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None) -> int:
+def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
+         about_ranks: bool = False) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
-    ends every rank (llmz.launch.abort_on_error)."""
-    a = parse(doc, argv, steps, sim_steps, grad_accum)
+    ends every rank (llmz.launch.abort_on_error). A bad flag or a device that is not there: one `error:`
+    line and exit 2, as llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
+    from llmz.errors import LlmzError
+    try:
+        a = parse(doc, argv, steps, sim_steps, grad_accum)
+    except (LlmzError, ValueError, RuntimeError) as e:
+        if launcher_rank() == 0:                    # under mpiexec every rank gets here: one line is enough
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     from llmz.launch import abort_on_error, init_ranks
     ranks = init_ranks()
+    if about_ranks and ranks.world_size == 1:
+        say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without mpiexec): "
+            f"nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
+            f"    mpiexec -n 2 python -m lessons.{a.lesson}")
     with abort_on_error(ranks):
         code = lesson(a, ranks)
     return code
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher (mpiexec) numbered it, before MPI is started; 0 without one."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 # ---- building runs ----------------------------------------------------------------------------------------
@@ -130,7 +151,7 @@ def check_params_identical(ck, ranks, run) -> bool:
     """The checkpoint every ZeRO lesson ends with: all ranks hold the same parameter bits."""
     hashes = set(gather(ranks, params_hash(run)))
     return ck.check(len(hashes) == 1, f"parameters bit-identical on {n_ranks(ranks.world_size)}: {len(hashes)} "
-                    f"distinct hash(es) ({', '.join(sorted(hashes))}), expected 1")
+                    f"distinct hash(es) ({', '.join(sorted(hashes))}), expected 1", across_ranks=True)
 
 
 def max_rel_diff(a, b) -> float:
@@ -148,27 +169,34 @@ def say(ranks, *args) -> None:
 
 
 class Checkpoints:
-    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints."""
+    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints. A check that
+    compares ranks (`across_ranks=True`) says so when there is one rank only: it holds trivially."""
 
     def __init__(self, ranks, total: int):
-        self.ranks, self.total, self.done, self.failed = ranks, total, 0, 0
+        self.ranks, self.total, self.done, self.failed, self.trivial = ranks, total, 0, 0, 0
 
-    def check(self, ok: bool, text: str) -> bool:
+    def check(self, ok: bool, text: str, across_ranks: bool = False) -> bool:
         ok = all(gather(self.ranks, bool(ok)))          # collective: failed anywhere = failed everywhere
         self.done += 1
+        if across_ranks and self.ranks.world_size == 1:
+            text += " [trivial with 1 rank]"
+            self.trivial += 1
         say(self.ranks, f"CHECKPOINT {self.done}/{self.total}: {text} ... {'PASS' if ok else 'FAIL'}")
         self.failed += not ok
         return ok
 
     def exit_code(self) -> int:
         assert self.done == self.total, f"the lesson announced {self.total} checkpoints and ran {self.done}"
-        say(self.ranks, f"{self.total - self.failed} of {self.total} checkpoints passed")
+        trivial = (f" ({self.trivial} of them trivially, with 1 rank: run the lesson under mpiexec -n 2 to "
+                   f"test them)") if self.trivial else ""
+        say(self.ranks, f"{self.total - self.failed} of {self.total} checkpoints passed{trivial}")
         return 1 if self.failed else 0
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
 def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
-    """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
+    """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory), each
+    bar's total above it; the legend sits beside the bars, in the order of the stack."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,17 +206,29 @@ def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
     unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     bottom = np.zeros(len(names))
     for c in cats:
         v = np.array([reports[n]["measured"][c] for n in names]) / scale
         ax.bar(names, v, bottom=bottom, label=c.replace("_", " "), edgecolor="black", linewidth=0.5)
         bottom += v
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:.2f} {unit}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.1 * bottom.max())
     ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_png(fig, path)
+
+
+def figure_name(a, ranks, what: str, ext: str = "png", with_k: bool = False) -> str:
+    """A lesson's output file in --out, named by the settings that change it (model, ranks, and K micro-steps
+    where they matter), so runs with other settings keep theirs:
+    lessons_out/memory_per_rank_thin_2ranks.png, lessons_out/stage2_timeline_thin_2ranks_k3.json."""
+    k = f"_k{a.grad_accum}" if with_k else ""
+    return os.path.join(a.out, f"{what}_{a.model}_{ranks.world_size}ranks{k}.{ext}")
 
 
 if __name__ == "__main__":
