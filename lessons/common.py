@@ -195,13 +195,17 @@ class Checkpoints:
 
 # ---- figures ----------------------------------------------------------------------------------------------
 def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
-    """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory), each
-    bar's total above it; the legend sits beside the bars, in the order of the stack."""
+    """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
+    from llmz.trace import save_png
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_png(memory_figure(reports, title), path)
+
+
+def memory_figure(reports: dict[str, dict], title: str):
+    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from llmz.trace import save_png
     cats = ("parameters", "gradients", "optimizer_state", "activations")
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
@@ -219,8 +223,7 @@ def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_png(fig, path)
+    return fig
 
 
 def figure_name(a, ranks, what: str, ext: str = "png", with_k: bool = False) -> str:

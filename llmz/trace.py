@@ -107,6 +107,10 @@ def micro_steps(events: list[dict]) -> list[float]:
 
 
 def plot_png(events: list[dict], path: str, title: str) -> None:
+    save_png(timeline_figure(events, title), path)
+
+
+def timeline_figure(events: list[dict], title: str):
     """The spans as bars, one row per stream, each named where its bar has room; micro-steps marked."""
     import matplotlib
     matplotlib.use("Agg")
@@ -139,7 +143,7 @@ def plot_png(events: list[dict], path: str, title: str) -> None:
         x0, w = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
         ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=tone, edgecolors="black", linewidth=0.5)
         label_span(ax, renderer, x0, w, y, 0.8, e["name"])
-    save_png(fig, path)
+    return fig
 
 
 def save_png(fig, path: str) -> None:
