@@ -125,17 +125,22 @@ def timeline_figure(events: list[dict], title: str):
     ax.set_xlabel("ms since the step began\nnames where a bar has room: RS = reduce-scatter, 6 = block 6, emb = "
                   "embeddings, lnf = final layernorm (the .json in ui.perfetto.dev names every span)", fontsize=9)
     ax.set_title(title, fontsize=9)
-    starts = micro_steps(events)
-    for k, ts in enumerate(starts):
-        x = (ts - t0) / 1e3
-        ax.axvline(x, color="gray", linestyle=":", linewidth=0.8)
-        if len(starts) > 1:
-            ax.text(x, 1.55, f" micro-step {k + 1} backward", fontsize=8, ha="left", va="center")
     if not events:
         ax.text(0.5, 0.5, "no spans recorded: the timeline records the backward pass of ZeRO stage 2",
                 transform=ax.transAxes, ha="center", va="center")
     fig.tight_layout()
     renderer = fig.canvas.get_renderer()
+    starts = [(ts - t0) / 1e3 for ts in micro_steps(events)]
+    for k, x in enumerate(starts):
+        ax.axvline(x, color="gray", linestyle=":", linewidth=0.8)
+        if len(starts) > 1:                      # named where there is room before the next one
+            room = ax.transData.transform([(starts[k + 1] if k + 1 < len(starts) else ax.get_xlim()[1], 0),
+                                           (x, 0)])
+            for text in (f" micro-step {k + 1} backward", f" {k + 1}"):
+                t = ax.text(x, 1.55, text, fontsize=8, ha="left", va="center")
+                if t.get_window_extent(renderer).width <= room[0][0] - room[1][0] - 3:
+                    break
+                t.remove()
     bucket_index: dict[str, int] = {}
     for e in events:
         y, bucket = rows[e["tid"]], e["name"].replace("reduce-scatter ", "")

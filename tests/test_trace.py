@@ -36,7 +36,7 @@ def test_timeline_labels_sit_inside_their_bars_and_never_overlap(rng, K):
     rows = {"compute": 1, "comm": 0}
     bars = [ax.transData.transform([((e["ts"] - t0) / 1e3, rows[e["tid"]] - 0.4),
                                     ((e["ts"] - t0 + e["dur"]) / 1e3, rows[e["tid"]] + 0.4)]) for e in events]
-    labels = [t for t in ax.texts if not t.get_text().startswith(" micro-step")]
+    labels = [t for t in ax.texts if not t.get_text().startswith(" ")]        # micro-step marks start with " "
     boxes = []
     for t in labels:
         box = t.get_window_extent(renderer)
@@ -54,8 +54,14 @@ def test_timeline_labels_sit_inside_their_bars_and_never_overlap(rng, K):
     # every span at least 60 px wide (about 5% of the axis here) carries a name
     wide = sum((x1 - x0) >= 60 for (x0, _), (x1, _) in bars)
     assert wide > 0 and len(labels) >= wide
-    marks = [t.get_text() for t in ax.texts if t.get_text().startswith(" micro-step")]
-    assert marks == ([f" micro-step {k} backward" for k in range(1, K + 1)] if K > 1 else [])
+    # each micro-step: a dotted line, and its name where there is room before the next (else its number)
+    assert len(ax.get_lines()) == K
+    marks = [t for t in ax.texts if t.get_text().startswith(" ")]
+    assert len(marks) == (K if K > 1 else 0)
+    for k, t in enumerate(marks, 1):
+        assert t.get_text() in (f" micro-step {k} backward", f" {k}")
+    mark_boxes = [t.get_window_extent(renderer) for t in marks]
+    assert not any(a.overlaps(b) for i, a in enumerate(mark_boxes) for b in mark_boxes[i + 1:])
 
 
 def test_micro_steps_start_where_the_first_bucket_comes_back(rng):
