@@ -14,7 +14,7 @@ from mpirun import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi
 LESSONS = {"00_one_device": 4, "01_stage0_data_parallel": 4, "02_stage1_optimizer_sharding": 4,
-           "03_stage2_gradient_sharding": 7}
+           "03_stage2_gradient_sharding": 7, "04_stochastic_rounding": 5}
 
 
 def run_lesson(name: str, out, env: dict | None = None):

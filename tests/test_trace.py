@@ -11,14 +11,15 @@ BUCKETS = ["lnf", *[f"block{i}" for i in range(7, -1, -1)], "embeddings"]
 
 def fake_events(rng, K: int) -> list[dict]:
     """Rank 0's trace of one step as Tracer.stop writes it: per micro-step, each bucket's backward (compute)
-    then its reduce-scatter (comm), with random durations from 2 µs to 40 ms and a forward gap between."""
+    then its reduce-scatter (comm), with random durations from 2 µs to 40 ms (block 3's reduce-scatter: 60 ms)
+    and a forward gap between."""
     events, t = [], 0.0
     for _ in range(K):
         for b in BUCKETS:
             dur = float(np.exp(rng.uniform(np.log(2), np.log(4e4))))
             events.append({"name": b, "ph": "X", "ts": t, "dur": dur, "pid": 0, "tid": "compute"})
             t += dur
-            dur = float(np.exp(rng.uniform(np.log(2), np.log(4e4))))
+            dur = 6e4 if b == "block3" else float(np.exp(rng.uniform(np.log(2), np.log(4e4))))    # one wide span
             events.append({"name": f"reduce-scatter {b}", "ph": "X", "ts": t, "dur": dur, "pid": 0, "tid": "comm"})
             t += dur
         t += float(rng.uniform(1e4, 1e5))                     # the next micro-step's forward (not traced)
