@@ -127,15 +127,16 @@ def label_runs(runs: list[RunLog], labels: list[str] | None = None) -> None:
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
-    """Centred moving average over `window` points (odd), narrower at the ends: no lag, so a smoothed
-    curve drops where the raw one drops."""
-    half = window // 2
+    """Centred moving average over `window` points (odd), the window shrinking symmetrically at the ends (the
+    first and last points are their own): no lag, so a smoothed curve drops where the raw one drops."""
     sums = [0.0]
     for v in values:
         sums.append(sums[-1] + v)
-    n = len(values)
-    return [(sums[min(n, i + half + 1)] - sums[max(0, i - half)]) / (min(n, i + half + 1) - max(0, i - half))
-            for i in range(n)]
+    n, out = len(values), []
+    for i in range(n):
+        h = min(window // 2, i, n - 1 - i)
+        out.append((sums[i + h + 1] - sums[i - h]) / (2 * h + 1))
+    return out
 
 
 def auto_window(runs: list[RunLog]) -> int:

@@ -65,12 +65,16 @@ def test_two_logs_become_one_png_with_both_runs_points(tmp_path, rng, capsys):
     np.testing.assert_array_equal(line.get_xdata(), np.arange(25) * 64)
 
 
-def test_smoothing_is_a_centred_mean_with_no_lag():
+def test_smoothing_is_a_centred_mean_with_no_lag(rng):
     v = [0.0] * 10 + [10.0] * 10
     m = plot.moving_average(v, 5)
     assert m[:8] == [0.0] * 8 and m[12:] == [10.0] * 8      # flat parts stay where they are
     assert m[9] == pytest.approx(4.0) and m[10] == pytest.approx(6.0)     # the step stays at 9.5
     assert plot.moving_average(v, 1) == v
+    x = rng.normal(size=50)
+    m = plot.moving_average(list(x), 7)
+    assert m[0] == pytest.approx(x[0]) and m[-1] == pytest.approx(x[-1])      # the ends are their own
+    assert m[1] == pytest.approx(x[:3].mean()) and m[20] == pytest.approx(x[17:24].mean())
 
 
 def test_a_real_training_log_plots(tmp_path):
