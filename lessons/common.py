@@ -31,19 +31,27 @@ BREAKS = ("skip_all_gather", "skip_all_reduce")
 
 
 # ---- flags ------------------------------------------------------------------------------------------------
-def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None) -> argparse.Namespace:
+def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None,
+          steps_help: str = "optimizer steps") -> argparse.Namespace:
     """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
-    p.add_argument("--device", choices=KINDS, default="auto", help="auto: gpu where there is one, else cpu")
-    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="as in llmz.train")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {steps}; {sim_steps} on sim)")
-    p.add_argument("--model", default=None, help="preset (default thin; tiny on sim)")
-    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank")
-    p.add_argument("--seq-len", "-t", type=int, default=None, help="T (also the model's max_seq_len)")
+    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
+                                epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
+                                "each checkpoint measures.")
+    p.add_argument("--device", choices=KINDS, default="auto",
+                   help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA simulator")
+    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+                   help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
+    p.add_argument("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
+    p.add_argument("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
+    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")
+    p.add_argument("--seq-len", "-t", type=int, default=None,
+                   help="T, also the model's max_seq_len (default 32; 4 on sim)")
     if grad_accum is not None:
-        p.add_argument("--grad-accum", type=int, default=grad_accum, help="K micro-steps per step")
-    p.add_argument("--out", default="lessons_out", help="where figures go")
+        p.add_argument("--grad-accum", type=int, default=grad_accum,
+                       help=f"K micro-steps per step (default {grad_accum})")
+    p.add_argument("--out", default="lessons_out",
+                   help="where figures go, named by model, ranks and K (default lessons_out)")
     a = p.parse_args(argv)
     a.lesson = name
     a.kind = resolve(a.device)
@@ -59,13 +67,13 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
 
 
 def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
-         about_ranks: bool = False) -> int:
+         about_ranks: bool = False, steps_help: str = "optimizer steps") -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
     ends every rank (llmz.launch.abort_on_error). A bad flag or a device that is not there: one `error:`
     line and exit 2, as llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
     from llmz.errors import LlmzError
     try:
-        a = parse(doc, argv, steps, sim_steps, grad_accum)
+        a = parse(doc, argv, steps, sim_steps, grad_accum, steps_help)
     except (LlmzError, ValueError, RuntimeError) as e:
         if launcher_rank() == 0:                    # under mpiexec every rank gets here: one line is enough
             print(f"error: {e}", file=sys.stderr)
