@@ -99,6 +99,7 @@ def test_a_real_training_log_plots(tmp_path):
     ("not a log", "no step records"),
     ("a list", "line 1 is not a JSON object"),
     ("folder", "not a regular file"),
+    ("binary", "cannot read as a text log"),
     ("bad -o", "name a .png, .svg or .pdf"),
     ("labels", "1 --label for 2 logs"),
 ])
@@ -117,6 +118,8 @@ def test_a_bad_log_or_flag_is_one_error_line_and_exit_2(tmp_path, rng, capsys, c
         bad.write_text("[1, 2]\n")
     elif case == "folder":
         bad.mkdir()
+    elif case == "binary":                                  # e.g. the model file passed by mistake
+        bad.write_bytes(b"\xff" + bytes(rng.integers(0, 256, 4096, dtype=np.uint8)))      # 0xff: never UTF-8
     elif case == "bad -o":
         args, out = [str(good)], tmp_path / "c.jpg"
     elif case == "labels":
