@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from .errors import LlmzError
 
 FORMATS = ("png", "svg", "pdf")
+# one line style per run besides its colour, so a run that repeats another's numbers (stage 2 over stage 0)
+# shows as a dashed line on a solid one instead of hiding it
+STYLES = ("-", "--", ":", "-.")
 
 
 @dataclass
@@ -157,7 +160,7 @@ def figure(runs: list[RunLog], x: str = "step", smooth: int = 1, title: str | No
     ax_loss, ax_norm, ax_lr, ax_tps = axes.flat
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
-        c = colors[i % len(colors)]
+        c, ls = colors[i % len(colors)], STYLES[i % len(STYLES)]
         scale = run.tokens_per_step if x == "tokens" else 1
 
         def xs(steps, scale=scale):
@@ -167,9 +170,9 @@ def figure(runs: list[RunLog], x: str = "step", smooth: int = 1, title: str | No
             if smooth > 1:
                 ax.plot(xs(steps), v, color=c, alpha=0.25, linewidth=0.7)
                 v = moving_average(v, smooth)
-            ax.plot(xs(steps), v, color=c, linewidth=1.4, label=run.label)
+            ax.plot(xs(steps), v, color=c, linestyle=ls, linewidth=1.4, label=run.label)
         steps, lr = run.series("lr")
-        ax_lr.plot(xs(steps), lr, color=c, linewidth=1.4, label=run.label)
+        ax_lr.plot(xs(steps), lr, color=c, linestyle=ls, linewidth=1.4, label=run.label)
         if run.val:
             vs = sorted(run.val)
             ax_loss.plot(xs(vs), [run.val[s] for s in vs], color=c, marker="o", markersize=5, linestyle="--",
@@ -190,8 +193,8 @@ def figure(runs: list[RunLog], x: str = "step", smooth: int = 1, title: str | No
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("tokens seen" if x == "tokens" else "step")
-    fig.legend(handles=[Line2D([], [], color=colors[i % len(colors)], linewidth=2.5, label=r.label)
-                        for i, r in enumerate(runs)],
+    fig.legend(handles=[Line2D([], [], color=colors[i % len(colors)], linestyle=STYLES[i % len(STYLES)],
+                               linewidth=2.5, label=r.label) for i, r in enumerate(runs)],
                loc="outside upper center", ncol=min(len(runs), 3), fontsize=9, frameon=False,
                title=title, title_fontsize=11)
     return fig
