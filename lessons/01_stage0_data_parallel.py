@@ -53,9 +53,9 @@ def lesson(a, ranks) -> int:
         d = common.max_rel_diff(losses, ref_losses)
         ck.check(d <= a.rtol, f"losses on {common.n_ranks(N)} = one process with the union batch over {a.steps} steps: "
                  f"{losses[-1]:.10f} vs {ref_losses[-1]:.10f} at the last (worst relative difference {d:.1e}, "
-                 f"expected <= {a.rtol:.0e})")
+                 f"expected <= {a.rtol:.0e})", across_ranks=True)
     else:
-        ck.check(True, "")                         # only rank 0 runs the reference; its verdict is the check's
+        ck.check(True, "", across_ranks=True)                         # only rank 0 runs the reference; its verdict is the check's
     common.check_params_identical(ck, ranks, run)
     common.say(ranks, table(run.memory))
     m = run.memory["measured"]
@@ -70,9 +70,9 @@ def lesson(a, ranks) -> int:
     worst = max(common.gather(ranks, max(sent)))
     ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = 2(N-1)/N * {b}Ψ = {expect:,} B (ring all-reduce; "
-             f"expected within 0.5%: padding and the 8-byte loss average)")
+             f"expected within 0.5%: padding and the 8-byte loss average)", across_ranks=True)
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True))

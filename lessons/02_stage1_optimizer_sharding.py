@@ -56,15 +56,16 @@ def lesson(a, ranks) -> int:
     pad = 2 * b * len(run1.layout.buckets)          # m and v: at most one padded value per bucket per rank
     ck.check(opt1 * N == opt0 and 0 <= opt1 - formula <= pad,
              f"optimizer state per rank {fmt_bytes(opt1)} = 1/{N} of stage 0's {fmt_bytes(opt0)} "
-             f"(formula 2*{b}Ψ/N = {formula:,} B, measured {opt1:,} B: expected within padding, {pad} B)")
+             f"(formula 2*{b}Ψ/N = {formula:,} B, measured {opt1:,} B: expected within padding, {pad} B)",
+             across_ranks=True)
     expect = 2 * (N - 1) * b * psi // N
     worst = max(common.gather(ranks, max(sent1)))
     ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
     ck.check(ok, f"bytes sent per rank per step {worst:,} B (stage 0: {max(sent0):,} B) = 2(N-1)/N * {b}Ψ = "
              f"{expect:,} B (reduce-scatter + all-gather = one all-reduce; expected within 0.5%: padding, "
-             f"the loss average and the gradient norm's all-reduce)")
+             f"the loss average and the gradient norm's all-reduce)", across_ranks=True)
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True))

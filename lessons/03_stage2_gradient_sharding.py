@@ -28,7 +28,8 @@ Checkpoints: (1) the losses equal stage 1's (both run here, with --grad-accum K)
 on every rank, (3) gradient bytes per rank = shard + two slots + embedding + lnf gradients, (4) K*(L+2)
 reduce-scatters during backward per step, (5) bytes sent per step (K+1)(N-1)/N * bΨ, (6) --no-overlap gives
 the same bits, (7) the timeline PNG of one step, with one compute and one comm span per bucket per micro-step.
-Figures in --out: stage2_timeline.png (rank 0's step) and memory_per_rank.png (stages 0, 1, 2 by category).
+Figures in --out, named by model, ranks N and K: stage2_timeline_thin_2ranks_k2.png (rank 0's step; the .json
+beside it opens in ui.perfetto.dev) and memory_per_rank_thin_2ranks.png (stages 0, 1, 2 by category).
 """
 import os
 import sys
@@ -40,7 +41,7 @@ def lesson(a, ranks) -> int:
     from llmz.memory import fmt_bytes
     N, K = ranks.world_size, a.grad_accum
     ck = common.Checkpoints(ranks, 7)
-    trace = os.path.join(a.out, "stage2_timeline.json")
+    trace = common.figure_name(a, ranks, "stage2_timeline", ext="json", with_k=True)
     if ranks.rank == 0:
         os.makedirs(a.out, exist_ok=True)
     run1 = common.make_run(a, ranks, stage=1)                          # lesson 02: the reference
@@ -88,7 +89,8 @@ def lesson(a, ranks) -> int:
     worst = max(common.gather(ranks, max(sent)))
     ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = (K+1)(N-1)/N * {b}Ψ = {expect:,} B ({K} reduce-scatters "
-             f"+ 1 all-gather; stage 1 sends 2(N-1)/N * {b}Ψ; expected within 0.5%: padding and two scalars)")
+             f"+ 1 all-gather; stage 1 sends 2(N-1)/N * {b}Ψ; expected within 0.5%: padding and two scalars)",
+             across_ranks=True)
     same = common.gather(ranks, common.params_hash(run2s) == common.params_hash(run2))
     ck.check(all(same), f"--no-overlap: parameters bit-identical to the overlapped run's on {sum(same)} of "
              f"{common.n_ranks(N)}, expected all (overlap changes the timing, never the numbers)")
@@ -106,11 +108,12 @@ def lesson(a, ranks) -> int:
     run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
     if ranks.rank == 0:
         reports = {"stage 0": run0.memory, "stage 1": run1.memory, "stage 2": run2.memory}
-        path = os.path.join(a.out, "memory_per_rank.png")
-        common.plot_memory(reports, path, f"memory per rank, {N} ranks, {psi:,} parameters ({a.precision})")
+        path = common.figure_name(a, ranks, "memory_per_rank")
+        common.plot_memory(reports, path,
+                           f"memory per rank: {a.model}, {N} ranks, {psi:,} parameters ({a.precision})")
         common.say(ranks, f"wrote {path}")
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2, about_ranks=True))

@@ -129,4 +129,4 @@ def lesson(a, ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=10_000, sim_steps=200))
+    sys.exit(common.main(lesson, __doc__, steps=10_000, sim_steps=200, steps_help="K: adds of g into each accumulator"))

@@ -31,21 +31,31 @@ BREAKS = ("skip_all_gather", "skip_all_reduce")
 
 
 # ---- flags ------------------------------------------------------------------------------------------------
-def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None) -> argparse.Namespace:
+def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None,
+          steps_help: str = "optimizer steps") -> argparse.Namespace:
     """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
-    p.add_argument("--device", choices=KINDS, default="auto", help="auto: gpu where there is one, else cpu")
-    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="as in llmz.train")
-    p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {steps}; {sim_steps} on sim)")
-    p.add_argument("--model", default=None, help="preset (default thin; tiny on sim)")
-    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank")
-    p.add_argument("--seq-len", "-t", type=int, default=None, help="T (also the model's max_seq_len)")
+    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
+                                epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
+                                "each checkpoint measures.")
+    p.add_argument("--device", choices=KINDS, default="auto",
+                   help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA simulator")
+    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+                   help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                   help="as in llmz.train (default auto: gemm on a GPU, direct elsewhere; flash: FlashAttention-2)")
+    p.add_argument("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
+    p.add_argument("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
+    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")
+    p.add_argument("--seq-len", "-t", type=int, default=None,
+                   help="T, also the model's max_seq_len (default 32; 4 on sim)")
     if grad_accum is not None:
-        p.add_argument("--grad-accum", type=int, default=grad_accum, help="K micro-steps per step")
-    p.add_argument("--out", default="lessons_out", help="where figures go")
+        p.add_argument("--grad-accum", type=int, default=grad_accum,
+                       help=f"K micro-steps per step (default {grad_accum})")
+    p.add_argument("--out", default="lessons_out",
+                   help="where figures go, named by model, ranks and K (default lessons_out)")
     a = p.parse_args(argv)
+    a.lesson = name
     a.kind = resolve(a.device)
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
@@ -58,15 +68,35 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     return a
 
 
-def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None) -> int:
+def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
+         about_ranks: bool = False, steps_help: str = "optimizer steps") -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
-    ends every rank (llmz.launch.abort_on_error)."""
-    a = parse(doc, argv, steps, sim_steps, grad_accum)
+    ends every rank (llmz.launch.abort_on_error). A bad flag or a device that is not there: one `error:`
+    line and exit 2, as llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
+    from llmz.errors import LlmzError
+    try:
+        a = parse(doc, argv, steps, sim_steps, grad_accum, steps_help)
+    except (LlmzError, ValueError, RuntimeError) as e:
+        if launcher_rank() == 0:                    # under mpiexec every rank gets here: one line is enough
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     from llmz.launch import abort_on_error, init_ranks
     ranks = init_ranks()
+    if about_ranks and ranks.world_size == 1:
+        say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without mpiexec): "
+            f"nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
+            f"    mpiexec -n 2 python -m lessons.{a.lesson}")
     with abort_on_error(ranks):
         code = lesson(a, ranks)
     return code
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher (mpiexec) numbered it, before MPI is started; 0 without one."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 # ---- building runs ----------------------------------------------------------------------------------------
@@ -132,7 +162,7 @@ def check_params_identical(ck, ranks, run) -> bool:
     """The checkpoint every ZeRO lesson ends with: all ranks hold the same parameter bits."""
     hashes = set(gather(ranks, params_hash(run)))
     return ck.check(len(hashes) == 1, f"parameters bit-identical on {n_ranks(ranks.world_size)}: {len(hashes)} "
-                    f"distinct hash(es) ({', '.join(sorted(hashes))}), expected 1")
+                    f"distinct hash(es) ({', '.join(sorted(hashes))}), expected 1", across_ranks=True)
 
 
 def max_rel_diff(a, b) -> float:
@@ -150,47 +180,69 @@ def say(ranks, *args) -> None:
 
 
 class Checkpoints:
-    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints."""
+    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints. A check that
+    compares ranks (`across_ranks=True`) says so when there is one rank only: it holds trivially."""
 
     def __init__(self, ranks, total: int):
-        self.ranks, self.total, self.done, self.failed = ranks, total, 0, 0
+        self.ranks, self.total, self.done, self.failed, self.trivial = ranks, total, 0, 0, 0
 
-    def check(self, ok: bool, text: str) -> bool:
+    def check(self, ok: bool, text: str, across_ranks: bool = False) -> bool:
         ok = all(gather(self.ranks, bool(ok)))          # collective: failed anywhere = failed everywhere
         self.done += 1
+        if across_ranks and self.ranks.world_size == 1:
+            text += " [trivial with 1 rank]"
+            self.trivial += 1
         say(self.ranks, f"CHECKPOINT {self.done}/{self.total}: {text} ... {'PASS' if ok else 'FAIL'}")
         self.failed += not ok
         return ok
 
     def exit_code(self) -> int:
         assert self.done == self.total, f"the lesson announced {self.total} checkpoints and ran {self.done}"
-        say(self.ranks, f"{self.total - self.failed} of {self.total} checkpoints passed")
+        trivial = (f" ({self.trivial} of them trivially, with 1 rank: run the lesson under mpiexec -n 2 to "
+                   f"test them)") if self.trivial else ""
+        say(self.ranks, f"{self.total - self.failed} of {self.total} checkpoints passed{trivial}")
         return 1 if self.failed else 0
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
 def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
     """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
+    from llmz.trace import save_png
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_png(memory_figure(reports, title), path)
+
+
+def memory_figure(reports: dict[str, dict], title: str):
+    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from llmz.trace import save_png
     cats = ("parameters", "gradients", "optimizer_state", "activations")
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
     unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     bottom = np.zeros(len(names))
     for c in cats:
         v = np.array([reports[n]["measured"][c] for n in names]) / scale
         ax.bar(names, v, bottom=bottom, label=c.replace("_", " "), edgecolor="black", linewidth=0.5)
         bottom += v
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:.2f} {unit}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.1 * bottom.max())
     ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_png(fig, path)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def figure_name(a, ranks, what: str, ext: str = "png", with_k: bool = False) -> str:
+    """A lesson's output file in --out, named by the settings that change it (model, ranks, and K micro-steps
+    where they matter), so runs with other settings keep theirs:
+    lessons_out/memory_per_rank_thin_2ranks.png, lessons_out/stage2_timeline_thin_2ranks_k3.json."""
+    k = f"_k{a.grad_accum}" if with_k else ""
+    return os.path.join(a.out, f"{what}_{a.model}_{ranks.world_size}ranks{k}.{ext}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,10 @@ class Tracer:
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
-        plot_png(events, png, f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)")
+        title = f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)"
+        if self.dev.kind != "gpu":
+            title += f" on {self.dev.kind}: no streams, every span runs after the one before"
+        plot_png(events, png, title)
         return trace
 
 
@@ -73,25 +76,79 @@ def overlap_us(events: list[dict]) -> float:
     return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in comp for b0, b1 in comm)
 
 
+# each stream's colour in two tones, alternating bucket by bucket so neighbouring spans stay apart
+COLORS = {"compute": ("#4c8fd6", "#a9cdf2"), "comm": ("#f28e2b", "#ffd1a1")}
+
+
+def short_name(name: str) -> str:
+    """'reduce-scatter block6' -> '6', 'embeddings' -> 'emb': the label of a span too narrow for its name."""
+    name = name.replace("reduce-scatter ", "")
+    return {"embeddings": "emb"}.get(name, name.replace("block", ""))
+
+
+def label_span(ax, renderer, x0: float, width: float, y: float, height: float, name: str) -> None:
+    """Write the span's name inside its bar: the first of (name, short name) x (across, upright) that fits
+    with a margin, or nothing (a wider view in Perfetto, from the .json, shows every name)."""
+    (px0, py0), (px1, py1) = ax.transData.transform([(x0, y - height / 2), (x0 + width, y + height / 2)])
+    for rotation in (0, 90):
+        for text in dict.fromkeys((name.replace("reduce-scatter ", "RS "), short_name(name))):
+            t = ax.text(x0 + width / 2, y, text, ha="center", va="center", fontsize=7, rotation=rotation)
+            box = t.get_window_extent(renderer)
+            if box.width <= (px1 - px0) - 3 and box.height <= (py1 - py0) - 3:
+                return
+            t.remove()
+
+
+def micro_steps(events: list[dict]) -> list[float]:
+    """Start times (µs) of the backward passes in the trace: each begins with the bucket that began the first
+    (the final layernorm's), so K micro-steps give K starts."""
+    comp = [e for e in events if e["tid"] == "compute"]
+    return [e["ts"] for e in comp if e["name"] == comp[0]["name"]] if comp else []
+
+
 def plot_png(events: list[dict], path: str, title: str) -> None:
+    save_png(timeline_figure(events, title), path)
+
+
+def timeline_figure(events: list[dict], title: str):
+    """The spans as bars, one row per stream, each named where its bar has room; micro-steps marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(12, 2.8))
+    fig, ax = plt.subplots(figsize=(12, 3.4))
     rows = {"compute": 1, "comm": 0}
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
     t0 = min((e["ts"] for e in events), default=0.0)
-    for e in events:
-        y = rows[e["tid"]]
-        ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.4, 0.8), facecolors=colors[e["tid"]],
-                       edgecolors="black", linewidth=0.5)
-        if e["dur"] > 0:
-            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y, e["name"].replace("reduce-scatter ", "RS "),
-                    ha="center", va="center", fontsize=6, rotation=90 if e["tid"] == "comm" else 0)
+    end = max((e["ts"] + e["dur"] for e in events), default=1.0)
+    ax.set_xlim(-0.01 * (end - t0) / 1e3, 1.01 * (end - t0) / 1e3)
+    ax.set_ylim(-0.6, 1.9)
     ax.set_yticks([0, 1], ["comm stream", "compute stream"])
-    ax.set_xlabel("ms since the step began")
+    ax.set_xlabel("ms since the step began\nnames where a bar has room: RS = reduce-scatter, 6 = block 6, emb = "
+                  "embeddings, lnf = final layernorm (the .json in ui.perfetto.dev names every span)", fontsize=9)
     ax.set_title(title, fontsize=9)
-    save_png(fig, path)
+    if not events:
+        ax.text(0.5, 0.5, "no spans recorded: the timeline records the backward pass of ZeRO stage 2",
+                transform=ax.transAxes, ha="center", va="center")
+    fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    starts = [(ts - t0) / 1e3 for ts in micro_steps(events)]
+    for k, x in enumerate(starts):
+        ax.axvline(x, color="gray", linestyle=":", linewidth=0.8)
+        if len(starts) > 1:                      # named where there is room before the next one
+            room = ax.transData.transform([(starts[k + 1] if k + 1 < len(starts) else ax.get_xlim()[1], 0),
+                                           (x, 0)])
+            for text in (f" micro-step {k + 1} backward", f" {k + 1}"):
+                t = ax.text(x, 1.55, text, fontsize=8, ha="left", va="center")
+                if t.get_window_extent(renderer).width <= room[0][0] - room[1][0] - 3:
+                    break
+                t.remove()
+    bucket_index: dict[str, int] = {}
+    for e in events:
+        y, bucket = rows[e["tid"]], e["name"].replace("reduce-scatter ", "")
+        tone = COLORS[e["tid"]][bucket_index.setdefault(bucket, len(bucket_index)) % 2]
+        x0, w = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
+        ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=tone, edgecolors="black", linewidth=0.5)
+        label_span(ax, renderer, x0, w, y, 0.8, e["name"])
+    return fig
 
 
 def save_png(fig, path: str) -> None:

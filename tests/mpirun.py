@@ -6,10 +6,13 @@
 
 The child runs in the repository root with the repo on PYTHONPATH, and with the CUDA simulator switched on
 when no GPU is visible. No mpiexec (neither beside this Python, where the mpich wheel puts it, nor on PATH):
-the test is skipped.
+the test is skipped. Either MPI's launcher works: mpich's Hydra needs no flags; Open MPI's refuses to run as
+root without --allow-run-as-root (containers, the GPU machines) and more ranks than cores without
+--oversubscribe, so those are added where they apply (mpiexec_command).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -29,6 +32,37 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
+def is_open_mpi(version_text: str) -> bool:
+    """`mpiexec --version` of Open MPI: "mpiexec (Open MPI) 5.0.3" (4.x: "mpiexec (OpenRTE) 4.1.2", and both
+    point to www.open-mpi.org); mpich and Intel MPI print "HYDRA build details"."""
+    text = version_text.lower()
+    return any(mark in text for mark in ("open mpi", "openrte", "open-mpi.org"))
+
+
+@functools.cache
+def mpiexec_version(mpiexec: str) -> str:
+    try:
+        p = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return p.stdout + p.stderr
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def mpiexec_command(mpiexec: str, nproc: int, args: list[str], version_text: str, as_root: bool,
+                    cores: int) -> list[str]:
+    """`mpiexec -n nproc python *args`, with the flags Open MPI needs here: --allow-run-as-root as root,
+    --oversubscribe for more ranks than cores (the tests start 4 ranks on a 2-core machine)."""
+    flags = []
+    if is_open_mpi(version_text):
+        flags += ["--allow-run-as-root"] if as_root else []
+        flags += ["--oversubscribe"] if nproc > cores else []
+    return [mpiexec, *flags, "-n", str(nproc), sys.executable, *args]
+
+
 def start_mpi(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
     """Start `mpiexec -n nproc python *args` in a session of its own (stdout, stderr: text pipes), so that
     os.killpg(proc.pid, ...) reaches mpiexec, its proxies and every rank."""
@@ -42,7 +76,7 @@ def start_mpi(nproc: int, args: list[str], env: dict | None = None) -> subproces
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), child_env.get("PYTHONPATH")) if p)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.update(env or {})
-    cmd = [mpiexec, "-n", str(nproc), sys.executable, *args]
+    cmd = mpiexec_command(mpiexec, nproc, args, mpiexec_version(mpiexec), os.geteuid() == 0, cpu_cores())
     return subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

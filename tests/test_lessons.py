@@ -1,15 +1,20 @@
 """Every lesson under `mpiexec -n 2` on cpu exits 0 with every checkpoint PASS; with a collective removed on
 purpose (LLMZ_LESSON_BREAK, honoured by lessons.common.apply_break) the checkpoints that measure it FAIL,
-every rank still finishes, and the lesson exits non-zero."""
+every rank still finishes, and the lesson exits non-zero. Run alone, a lesson about ranks says so; a bad flag
+is one line; the figures are readable and named by their settings; lessons/README.md covers every lesson."""
 import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi
 LESSONS = {"00_one_device": 4, "01_stage0_data_parallel": 4, "02_stage1_optimizer_sharding": 4,
-           "03_stage2_gradient_sharding": 7}
+           "03_stage2_gradient_sharding": 7, "04_stochastic_rounding": 5}
 
 
 def run_lesson(name: str, out, env: dict | None = None):
@@ -33,7 +38,7 @@ def test_lesson_on_two_ranks_passes_every_checkpoint(name, tmp_path):
     assert all(v == "PASS" for *_, v in cps), p.stdout
     assert f"{n} of {n} checkpoints passed" in p.stdout
     if name.startswith("03"):
-        for png in ("stage2_timeline.png", "memory_per_rank.png"):
+        for png in ("stage2_timeline_thin_2ranks_k2.png", "memory_per_rank_thin_2ranks.png"):
             assert (tmp_path / png).stat().st_size > 10_000, png
 
 
@@ -50,3 +55,64 @@ def test_removing_a_collective_fails_the_checkpoints_that_measure_it(name, broke
     assert len(cps) == LESSONS[name], p.stdout
     assert tuple(i for i, _, _, v in cps if v == "FAIL") == failing, p.stdout
     assert any("bit-identical" in text and v == "FAIL" for _, _, text, v in cps)
+
+
+def lesson_files() -> list[str]:
+    return sorted(p.stem for p in (REPO / "lessons").glob("[0-9][0-9]_*.py"))
+
+
+def test_lessons_readme_covers_every_lesson():
+    """Each lesson file has a row in lessons/README.md's table, a checkpoint section and a command to run it."""
+    text = (REPO / "lessons" / "README.md").read_text()
+    for name in lesson_files():
+        assert f"| `{name}` |" in text, f"{name}: no row in the table of lessons/README.md"
+        assert re.search(rf"^\*\*{name[:2]} ", text, re.MULTILINE), f"{name}: no checkpoint section"
+        assert f"python -m lessons.{name}" in text, f"{name}: no command to run it"
+
+
+@pytest.mark.parametrize("name", lesson_files())
+def test_a_lesson_on_a_missing_gpu_is_one_error_line_and_exit_2(name):
+    from llmz.device import gpu_available
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    p = subprocess.run([sys.executable, "-m", f"lessons.{name}", "--device", "gpu"], cwd=REPO, capture_output=True,
+                       text=True, check=False, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device gpu"), p.stderr
+
+
+def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints():
+    p = subprocess.run([sys.executable, "-m", "lessons.01_stage0_data_parallel", "--device", "cpu", "--steps", "2"],
+                       cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "mpiexec -n 2 python -m lessons.01_stage0_data_parallel" in p.stdout.split("CHECKPOINT")[0]
+    cps = checkpoints(p.stdout)
+    trivial = [i for i, _, text, _ in cps if text.endswith("[trivial with 1 rank]")]
+    assert trivial == [1, 2, 4], p.stdout            # memory (3) is measured with one rank as well
+    assert "4 of 4 checkpoints passed (3 of them trivially" in p.stdout
+
+
+def test_figure_names_carry_model_ranks_and_k():
+    from lessons import common
+    a = SimpleNamespace(out="o", model="thin", grad_accum=3)
+    names = {common.figure_name(a, SimpleNamespace(world_size=n), "memory_per_rank") for n in (1, 2, 3)}
+    assert names == {str(Path("o") / f"memory_per_rank_thin_{n}ranks.png") for n in (1, 2, 3)}
+    assert common.figure_name(a, SimpleNamespace(world_size=3), "stage2_timeline", "json", with_k=True) == \
+        str(Path("o") / "stage2_timeline_thin_3ranks_k3.json")
+
+
+def test_memory_chart_legend_covers_no_bar():
+    from lessons import common
+    cats = ("parameters", "gradients", "optimizer_state", "activations")
+    reports = {f"stage {s}": {"measured": dict(zip(cats, sizes))}
+               for s, sizes in enumerate([(9e5, 9e5, 1.8e6, 3e6), (9e5, 9e5, 9e5, 3e6), (9e5, 4e5, 9e5, 3e6)])}
+    fig = common.memory_figure(reports, "title")
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in ax.patches]
+    assert len(bars) == 12 and not any(legend.overlaps(b) for b in bars)
+    totals = [t.get_text() for t in ax.texts]
+    assert totals == ["6.29 MiB", "5.44 MiB", "4.96 MiB"], totals

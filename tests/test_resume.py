@@ -202,8 +202,8 @@ def rank_pids(root: int) -> dict[int, int]:
             up = parent[up]
         if up == root and b"llmz.train" in cmd:
             for kv in env:
-                if kv.startswith(b"PMI_RANK="):
-                    out[int(kv[9:])] = pid
+                if kv.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")):       # mpich's Hydra, Open MPI
+                    out[int(kv.split(b"=", 1)[1])] = pid
     return out
 
 

@@ -1,0 +1,79 @@
+"""The stage-2 timeline PNG stays readable: every span label lies inside its own bar and no two labels
+overlap, however narrow the spans (lesson 03 at K=3 on the CPU: compute spans of a few µs beside
+reduce-scatters of tens of ms); wide spans are named; each micro-step is marked."""
+import numpy as np
+import pytest
+
+from llmz import trace
+
+BUCKETS = ["lnf", *[f"block{i}" for i in range(7, -1, -1)], "embeddings"]
+
+
+def fake_events(rng, K: int) -> list[dict]:
+    """Rank 0's trace of one step as Tracer.stop writes it: per micro-step, each bucket's backward (compute)
+    then its reduce-scatter (comm), with random durations from 2 µs to 40 ms (block 3's reduce-scatter: 60 ms)
+    and a forward gap between."""
+    events, t = [], 0.0
+    for _ in range(K):
+        for b in BUCKETS:
+            dur = float(np.exp(rng.uniform(np.log(2), np.log(4e4))))
+            events.append({"name": b, "ph": "X", "ts": t, "dur": dur, "pid": 0, "tid": "compute"})
+            t += dur
+            dur = 6e4 if b == "block3" else float(np.exp(rng.uniform(np.log(2), np.log(4e4))))    # one wide span
+            events.append({"name": f"reduce-scatter {b}", "ph": "X", "ts": t, "dur": dur, "pid": 0, "tid": "comm"})
+            t += dur
+        t += float(rng.uniform(1e4, 1e5))                     # the next micro-step's forward (not traced)
+    return events
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_timeline_labels_sit_inside_their_bars_and_never_overlap(rng, K):
+    events = fake_events(rng, K)
+    fig = trace.timeline_figure(events, "title")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    t0 = events[0]["ts"]
+    rows = {"compute": 1, "comm": 0}
+    bars = [ax.transData.transform([((e["ts"] - t0) / 1e3, rows[e["tid"]] - 0.4),
+                                    ((e["ts"] - t0 + e["dur"]) / 1e3, rows[e["tid"]] + 0.4)]) for e in events]
+    labels = [t for t in ax.texts if not t.get_text().startswith(" ")]        # micro-step marks start with " "
+    boxes = []
+    for t in labels:
+        box = t.get_window_extent(renderer)
+        x, y = t.get_position()
+        i = min(range(len(events)), key=lambda j: abs((events[j]["ts"] - t0 + events[j]["dur"] / 2) / 1e3 - x)
+                + abs(rows[events[j]["tid"]] - y))
+        (bx0, by0), (bx1, by1) = bars[i]
+        assert bx0 <= box.x0 and box.x1 <= bx1 and by0 <= box.y0 and box.y1 <= by1, (t.get_text(), events[i])
+        assert trace.short_name(events[i]["name"]) in t.get_text() or t.get_text() in events[i]["name"], \
+            (t.get_text(), events[i]["name"])
+        boxes.append(box)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), "two labels overlap"
+    # every span at least 60 px wide (about 5% of the axis here) carries a name
+    wide = sum((x1 - x0) >= 60 for (x0, _), (x1, _) in bars)
+    assert wide > 0 and len(labels) >= wide
+    # each micro-step: a dotted line, and its name where there is room before the next (else its number)
+    assert len(ax.get_lines()) == K
+    marks = [t for t in ax.texts if t.get_text().startswith(" ")]
+    assert len(marks) == (K if K > 1 else 0)
+    for k, t in enumerate(marks, 1):
+        assert t.get_text() in (f" micro-step {k} backward", f" {k}")
+    mark_boxes = [t.get_window_extent(renderer) for t in marks]
+    assert not any(a.overlaps(b) for i, a in enumerate(mark_boxes) for b in mark_boxes[i + 1:])
+
+
+def test_micro_steps_start_where_the_first_bucket_comes_back(rng):
+    events = fake_events(rng, 3)
+    starts = trace.micro_steps(events)
+    assert len(starts) == 3 and starts == [e["ts"] for e in events if e["name"] == "lnf"]
+
+
+def test_an_empty_trace_says_so_in_the_png(tmp_path):
+    fig = trace.timeline_figure([], "title")
+    assert any("no spans recorded" in t.get_text() for t in fig.axes[0].texts)
+    png = tmp_path / "t.png"
+    trace.plot_png([], str(png), "title")
+    assert png.read_bytes()[:4] == b"\x89PNG"
