@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention", choices=ATTENTIONS, default="auto")
     a("--no-tf32", action="store_true")
     a("--no-cuda-graph", action="store_true")
-    a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     a("--warmup", type=int, default=3)
     a("--steps", type=int, default=10)
     a("--per-kernel", action="store_true", help="a table of every kernel's time per step")
