@@ -1,6 +1,7 @@
-"""A timeline of one training step: each layer's backward on the compute stream and each collective on
-the comm stream, written as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and
-as a PNG, so a learner sees block l's reduce-scatter run beside block l-1's backward.
+"""A timeline of one training step: each layer's backward (and at ZeRO stage 3 each block's forward) on the
+compute stream and each collective on the comm stream, written as a Chrome trace (open it in
+https://ui.perfetto.dev or chrome://tracing) and as a PNG, so a learner sees block l's reduce-scatter run
+beside block l-1's backward, or block l+1's all-gather beside block l's forward.
 
 On the GPU every span is a pair of CUDA events recorded on its stream (no host synchronisation while
 tracing; the times are read once, at stop()). On cpu and sim everything runs in program order, so the
@@ -56,13 +57,15 @@ class Tracer:
         for name, stream, s, e in self.spans:
             ts, te = self._us(s), self._us(e)
             events.append({"name": name, "ph": "X", "ts": ts, "dur": max(te - ts, 0.0), "pid": self.rank,
-                           "tid": stream, "cat": "comm" if stream == "comm" else "backward"})
+                           "tid": stream, "cat": "comm" if stream == "comm" else
+                           "forward" if name.startswith("forward") else "backward"})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if self.rank != 0:                      # every rank traces; rank 0's timeline is written
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
-        plot_png(events, png, f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)")
+        plot_png(events, png, f"rank {self.rank}: layers (compute stream) and collectives (comm stream): "
+                              "F forward, RS reduce-scatter, AG all-gather")
         return trace
 
 
@@ -71,6 +74,23 @@ def overlap_us(events: list[dict]) -> float:
     comp = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"]
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "comm"]
     return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in comp for b0, b1 in comm)
+
+
+def gathers_ahead(events: list[dict]) -> tuple[int, int]:
+    """ZeRO stage 3: for every compute span of a block, the all-gather of that block it used (the latest one
+    begun before it); counts those that began before the compute span in front of it ended, that is, were
+    issued while the previous block computed (prefetched). Returns (prefetched, block compute spans)."""
+    comp = sorted((e for e in events if e["tid"] == "compute"), key=lambda e: e["ts"])
+    gathers = [e for e in events if e["tid"] == "comm" and e["name"].startswith("all-gather block")]
+    ahead = total = 0
+    for i, c in enumerate(comp):
+        block = c["name"].split()[-1]
+        used = [g["ts"] for g in gathers if g["name"] == f"all-gather {block}" and g["ts"] <= c["ts"]]
+        if not block.startswith("block") or not used:
+            continue
+        total += 1
+        ahead += i > 0 and max(used) < comp[i - 1]["ts"] + comp[i - 1]["dur"]
+    return ahead, total
 
 
 def plot_png(events: list[dict], path: str, title: str) -> None:
@@ -86,7 +106,8 @@ def plot_png(events: list[dict], path: str, title: str) -> None:
         ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.4, 0.8), facecolors=colors[e["tid"]],
                        edgecolors="black", linewidth=0.5)
         if e["dur"] > 0:
-            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y, e["name"].replace("reduce-scatter ", "RS "),
+            label = e["name"].replace("reduce-scatter ", "RS ").replace("all-gather ", "AG ")
+            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y, label.replace("forward ", "F "),
                     ha="center", va="center", fontsize=6, rotation=90 if e["tid"] == "comm" else 0)
     ax.set_yticks([0, 1], ["comm stream", "compute stream"])
     ax.set_xlabel("ms since the step began")
