@@ -425,6 +425,12 @@ class Stage3(Stage2):
         for b in (L.embeddings, L.lnf):
             self.ends[b.index] = self._alloc("parameters", b.padded_size)
             dev.copy_from_host(self.ends[b.index], L.bucket_buffer(values, b))
+        # the named views the model gets, made once: block l's into slot l % 2, the ends' into their buffers;
+        # and where each bucket's slice sits in my shard (what I contribute to its all-gathers)
+        self.views = {b.index: b.views(self.ends[b.index] if b.index in self.ends else self.slots[(b.index - 1) % 2])
+                      for b in L.buckets}
+        self.mine = {b.index: self.param_shard[L.shard_offset(b):L.shard_offset(b) + b.shard_size]
+                     for b in L.buckets}
         self.pviews = GatheredParams(self)
         # events, made once and reused (their record/wait pairs can be captured into a CUDA graph)
         self.gathered = [dev.event(), dev.event()]     # on the comm stream: slot s holds its block
@@ -442,7 +448,7 @@ class Stage3(Stage2):
         L = self.layout
         self._end_forward_span()
         if b in self.ends:
-            return L.buckets[b].views(self.ends[b])    # gathered for the step (gather_parameters)
+            return self.views[b]                        # gathered for the step (gather_parameters)
         layer = b - 1
         if self.prefetched != layer:                    # not gathered ahead (a forward's block 0, --no-overlap)
             self._gather_block(layer)
@@ -455,7 +461,7 @@ class Stage3(Stage2):
         if self.tracer and not self.in_backward:
             self.forward_span = f"forward {L.buckets[b].name}"
             self.tracer.begin(self.forward_span, "compute")
-        return L.buckets[b].views(self.slots[layer % 2])
+        return self.views[b]
 
     def _gather_block(self, layer: int) -> None:
         """Block `layer`'s parameters into slot layer % 2, on the comm stream, once the compute stream is done
@@ -471,8 +477,7 @@ class Stage3(Stage2):
         """buf <- bucket's full parameters: every rank contributes its slice from its shard (comm stream)."""
         if self.tracer:
             self.tracer.begin(f"all-gather {bucket.name}", "comm")
-        at = self.layout.shard_offset(bucket)
-        self.comm.all_gather(buf, src=self.param_shard[at:at + bucket.shard_size])
+        self.comm.all_gather(buf, src=self.mine[bucket.index])
         self.all_gathers.append(bucket.name)
         if self.tracer:
             self.tracer.end(f"all-gather {bucket.name}", "comm")

@@ -215,6 +215,24 @@ def test_train_runs_stage_3_with_its_memory_report_samples_and_checkpoints(tmp_p
     assert load_checkpoint(str(tmp_path / "ck" / "step_000002")).meta["zero_stage"] == 3
 
 
+def test_bf16_stage3_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
+    """The bf16 parameters are rebuilt from the saved fp32 master with the rounding draws of the saved step, then
+    sharded: a resumed stage-3 run repeats the straight one bit for bit."""
+    from llmz.launch import RankInfo
+    from llmz.train import parse_args, train
+
+    def run(name, *extra):
+        args, kind = parse_args(["--device", "cpu", "--precision", "bf16", "--model", "tiny", "-b", "2", "-t", "8",
+                                 "--steps", "4", "--grad-accum", str(K), "--zero-stage", "3", "--val-data", "",
+                                 "--quiet", "--log", str(tmp_path / f"{name}.jsonl"), *extra], kind="cpu")
+        train(args, kind, RankInfo(0, 1, 0, 1, "here"))
+        return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / f"{name}.jsonl")
+                .read_text().splitlines()) if "loss" in r}
+    a = run("a", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2")
+    b = run("b", "--resume", str(tmp_path / "ck" / "step_000002"))
+    assert sorted(b) == [2, 3] and all(a[s] == b[s] for s in b) and a[3] != a[2]
+
+
 # ---- GPU (skipped without one): one rank, local and NCCL -----------------------------------------------------
 def gpu_worker(out, stage: int, precision: str, comm: str):
     args = ["tests/train_worker.py", str(out), "--device", "gpu", "--precision", precision, "--model", "d2",
