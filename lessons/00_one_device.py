@@ -37,16 +37,16 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 def forward_backward(dev, config, params_host, x, y):
     """One forward and backward on `dev` (kernels or NumPy references): the loss and the flat gradient."""
     from llmz.layout import Layout
-    from llmz.model import GPT2, FullGrads
+    from llmz.model import GPT2, FullGrads, FullParams
     B, T = x.shape
     layout = Layout(config, 1)
     params = dev.asarray(params_host, dev.dtype)
     grads = dev.zeros(layout.total)
     model = GPT2(config, dev, B, T)
     xd, yd = dev.asarray(x, np.int32), dev.asarray(y, np.int32)
-    model.forward(layout.views(params), xd, yd)
+    model.forward(FullParams(layout, params), xd, yd)
     loss = model.mean_loss()
-    model.backward(layout.views(params), FullGrads(layout, grads), xd, yd, 1.0 / (B * T))
+    model.backward(FullParams(layout, params), FullGrads(layout, grads), xd, yd, 1.0 / (B * T))
     return loss, dev.to_host(grads)
 
 

@@ -5,8 +5,10 @@ A checkpoint compares a measured number with what the lesson's idea predicts, an
 Its verdict is collective (failed on any rank = failed on all), so every rank exits with the same code and
 none is left waiting for another. The training itself is llmz's: these helpers only build and compare.
 
-LLMZ_LESSON_BREAK=skip_all_gather (lessons 02, 03) or skip_all_reduce (lesson 01) removes that collective
-on purpose, to watch the matching checkpoints fail (tests/test_lessons.py does).
+LLMZ_LESSON_BREAK=skip_all_gather (lessons 02, 03, 05) or skip_all_reduce (lesson 01) removes that collective
+on purpose, to watch the matching checkpoints fail (tests/test_lessons.py does). At stages 1 and 2 the
+all-gather after the step is skipped; at stage 3 every all-gather of parameters leaves each rank with only
+its own slice (the other ranks' part of the slot keeps whatever it held).
 """
 from __future__ import annotations
 
@@ -138,7 +140,10 @@ def apply_break(stage) -> None:
     what = os.environ.get("LLMZ_LESSON_BREAK", "")
     if what and what not in BREAKS:
         raise SystemExit(f"LLMZ_LESSON_BREAK={what}: choose one of {', '.join(BREAKS)}")
-    if what == "skip_all_gather":
+    if what == "skip_all_gather" and stage.stage == 3:
+        comm = stage.comm
+        comm.all_gather = lambda buf, src=None: src is not None and comm.place(buf, src)
+    elif what == "skip_all_gather":
         stage.gather_parameters = lambda: None
     if what == "skip_all_reduce":
         stage.reduce_gradients = lambda: None

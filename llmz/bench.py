@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention", choices=ATTENTIONS, default="auto")
     a("--no-tf32", action="store_true")
     a("--no-cuda-graph", action="store_true")
-    a("--zero-stage", type=int, choices=(0, 1, 2), nargs="+", default=[0], metavar="STAGE",
-      help="ZeRO stage(s); several (e.g. 0 1 2) are timed one after another in this process, one row each")
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
+      help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=3)
     a("--steps", type=int, default=10)
     a("--per-kernel", action="store_true", help="a table of every kernel's time per step")

@@ -16,6 +16,9 @@ In place, with NCCL's layout (N ranks, buf flat and contiguous):
   reduce_scatter(buf, op)  buf holds N slices of n = buf.size / N; rank r's reduced slice lands at
                            buf[r*n:(r+1)*n]; the rest of buf is undefined afterwards
   all_gather(buf)          rank r's input is buf[r*n:(r+1)*n]; afterwards buf holds every rank's slice
+  all_gather(buf, src)     the same, rank r's input being src (n elements kept elsewhere: ZeRO-3 gathers a
+                           bucket from each rank's parameter shard into a slot; NCCL reads src directly,
+                           the other backends first copy it into its place in buf)
   broadcast(buf, root)     every rank ends with root's buf
 Every rank ends an all-reduce with the SAME BITS (ZeRO needs identical parameters on all ranks): each
 element is reduced once, by the rank that owns it (a reduce-scatter), and then copied (an all-gather).
@@ -82,9 +85,10 @@ class Communicator:
     """
     name = "local"
 
-    def __init__(self, ranks: RankInfo):
+    def __init__(self, ranks: RankInfo, dev=None):
         self.rank = ranks.rank
         self.world_size = ranks.world_size
+        self.dev = dev                  # where buffers live (None: NumPy buffers only)
         self.bytes_sent = 0
         self.calls: Counter[str] = Counter()
 
@@ -99,10 +103,15 @@ class Communicator:
         self._count("reduce_scatter", self._divisible(buf), 1)
         self._reduce_scatter(buf, _check_op(op))
 
-    def all_gather(self, buf) -> None:
-        """In place: rank r contributes buf[r*n:(r+1)*n]; every rank ends with all N slices."""
-        self._count("all_gather", self._divisible(buf), 1)
-        self._all_gather(buf)
+    def all_gather(self, buf, src=None) -> None:
+        """In place: rank r contributes buf[r*n:(r+1)*n], or src (n elements) when given; every rank ends
+        with all N slices."""
+        nbytes = self._divisible(buf)
+        if src is not None and (src.size * self.world_size != buf.size or src.dtype != buf.dtype):
+            raise ValueError(f"all_gather of {buf.size} {buf.dtype} from a slice of {src.size} {src.dtype} "
+                             f"on {self.world_size} ranks")
+        self._count("all_gather", nbytes, 1)
+        self._all_gather(buf, src)
 
     def broadcast(self, buf, root: int = 0) -> None:
         """In place: every rank ends with root's buf."""
@@ -118,6 +127,16 @@ class Communicator:
     def group(self):
         """Context manager around several calls that the backend may fuse (NCCL group); a no-op elsewhere."""
         return contextlib.nullcontext()
+
+    def place(self, buf, src) -> None:
+        """Copy src into this rank's slice of buf (n = buf.size / N elements), on the comm stream when buf is
+        on a GPU: in order with the collective that follows there."""
+        n = buf.size // self.world_size
+        mine = buf.reshape(-1)[self.rank * n:(self.rank + 1) * n]
+        if isinstance(buf, np.ndarray):
+            mine[...] = src
+        else:
+            mine.data.copy_from_device_async(src.data, src.nbytes, self.dev.comm_stream.cupy)
 
     def reset_counters(self) -> None:
         self.bytes_sent = 0
@@ -145,8 +164,9 @@ class Communicator:
     def _reduce_scatter(self, buf, op: str) -> None:
         pass
 
-    def _all_gather(self, buf) -> None:
-        pass
+    def _all_gather(self, buf, src) -> None:
+        if src is not None:
+            self.place(buf, src)
 
     def _broadcast(self, buf, root: int) -> None:
         pass
@@ -169,10 +189,9 @@ class MpiCommunicator(Communicator):
 
     def __init__(self, ranks: RankInfo, dev):
         from mpi4py import MPI
-        super().__init__(ranks)
+        super().__init__(ranks, dev)
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
-        self.dev = dev
 
     @contextlib.contextmanager
     def _on_host(self, buf, arith: bool):
@@ -217,7 +236,9 @@ class MpiCommunicator(Communicator):
             counts, displs = split_counts(h.size, self.world_size)
             self._reduce_scatter_host(h, counts, displs, op)
 
-    def _all_gather(self, buf) -> None:
+    def _all_gather(self, buf, src) -> None:
+        if src is not None:
+            self.place(buf, src)
         with self._on_host(buf, arith=False) as h:
             counts, displs = split_counts(h.size, self.world_size)
             self.world.Allgatherv(self.MPI.IN_PLACE, [h, (counts, displs)])
@@ -238,11 +259,10 @@ class NcclCommunicator(Communicator):
         import cupy
         from cupy.cuda import nccl
         from mpi4py import MPI
-        super().__init__(ranks)
+        super().__init__(ranks, dev)
         shared = shared_gpus(ranks, dev)
         if shared:
             raise LlmzError(f"NCCL cannot run {shared}; use --comm mpi")
-        self.dev = dev
         self.world = MPI.COMM_WORLD
         self._nccl_module = nccl
         # rank 0 makes the unique id (128 bytes), MPI carries it to the others, all join the communicator
@@ -273,8 +293,10 @@ class NcclCommunicator(Communicator):
         self.nccl.reduceScatter(p, mine, buf.size // self.world_size, nccl_dtype(buf.dtype), NCCL_OPS[op],
                                 self._stream)
 
-    def _all_gather(self, buf) -> None:
+    def _all_gather(self, buf, src) -> None:
         p, mine = self._slice_ptr(buf)          # NCCL in place: sendbuff = recvbuff + rank * sendcount
+        if src is not None:
+            mine = self._ptr(src)               # out of place: NCCL reads my slice where it is
         self.nccl.allGather(mine, p, buf.size // self.world_size, nccl_dtype(buf.dtype), self._stream)
 
     def _broadcast(self, buf, root: int) -> None:
@@ -322,7 +344,7 @@ def make_communicator(kind: str, ranks: RankInfo, dev) -> Communicator:
         raise LlmzError(f"--comm {kind!r}: choose one of {', '.join(COMM_KINDS)}")
     if kind == "auto":
         if ranks.world_size == 1:
-            return LocalCommunicator(ranks)
+            return LocalCommunicator(ranks, dev)
         kind = "nccl" if dev.kind == "gpu" and not shared_gpus(ranks, dev) else "mpi"
     if kind == "nccl":
         if dev.kind != "gpu":

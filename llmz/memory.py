@@ -2,14 +2,17 @@
 
 With Ψ parameters, N ranks, and b bytes per value (4 in fp32; 8 when the cpu path runs in float64):
 
-  stage | parameters | gradients                                   | optimizer state (m, v)
-  0     | bΨ         | bΨ                                          | 2bΨ
-  1     | bΨ         | bΨ                                          | 2bΨ/N
-  2     | bΨ         | bΨ/N + 2 block slots + embeddings + lnf     | 2bΨ/N
+  stage | parameters                              | gradients                               | optimizer state
+  0     | bΨ                                      | bΨ                                      | 2bΨ
+  1     | bΨ                                      | bΨ                                      | 2bΨ/N
+  2     | bΨ                                      | bΨ/N + 2 block slots + embeddings + lnf | 2bΨ/N
+  3     | bΨ/N + 2 block slots + embeddings + lnf | bΨ/N + 2 block slots + embeddings + lnf | 2bΨ/N
 
 In bf16 (b = 2) the optimizer also keeps an fp32 master copy of what it updates: the optimizer state is
-master + m + v = 12Ψ at stage 0 and 12Ψ/N at stages 1 and 2, the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N. Layernorm
-statistics and the losses stay fp32 in every precision.
+master + m + v = 12Ψ at stage 0 and 12Ψ/N at stages 1-3: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N at stage 1,
+(2Ψ + 2Ψ + 12Ψ)/N + slots + embeddings at stage 3 (fp32: (4Ψ + 4Ψ + 8Ψ)/N + the same). A slot holds the
+largest block bucket; at stage 3 the parameter slots are filled by all-gathers, the gradient slots emptied by
+reduce-scatters (llmz.zero.Stage3). Layernorm statistics and the losses stay fp32 in every precision.
 The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
 the GPU also reads the memory CuPy's pool holds.
 """
@@ -41,11 +44,12 @@ def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int, flas
     psi, N, b = layout.num_parameters, layout.world_size, value_bytes
     opt = 12 * psi if b == 2 else 2 * b * psi
     out = {"parameters": b * psi, "optimizer_state": opt if stage == 0 else opt // N}
-    if stage < 2:
-        out["gradients"] = b * psi
-    else:
-        slots = 2 * max(bk.padded_size for bk in layout.buckets[1:-1])
-        out["gradients"] = b * psi // N + b * (slots + layout.embeddings.padded_size + layout.lnf.padded_size)
+    # stage 2's gradients, stage 3's parameters and gradients: my slice, two block slots, the two ends whole
+    slots = 2 * max(bk.padded_size for bk in layout.buckets[1:-1])
+    sharded = b * psi // N + b * (slots + layout.embeddings.padded_size + layout.lnf.padded_size)
+    out["gradients"] = b * psi if stage < 2 else sharded
+    if stage == 3:
+        out["parameters"] = sharded
     values, stats = activation_elements(layout.config, B, T, flash)
     out["activations"] = b * values + max(b, 4) * stats
     out["communication_buffers"] = 0

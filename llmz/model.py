@@ -1,12 +1,15 @@
 """GPT-2's forward and backward, as a straight list of layer calls (llm.c's gpt2_forward / gpt2_backward).
 
 The model owns only activations and backward scratch; parameters and gradients live wherever the caller
-keeps them, handed in as named views per bucket (llmz.layout). Backward asks `grads.bucket(b)` where to
+keeps them, handed in as two stores of named views per bucket (llmz.layout). Forward and backward ask
+`p.bucket(b)` for bucket b's parameters just before they use them. Backward asks `grads.bucket(b)` where to
 accumulate bucket b's gradients and calls `grads.done(b)` the moment they are complete:
     the final layernorm first, then block L-1 ... block 0, then the embeddings (wte is tied to the output
     head: its gradient starts in the classifier and ends in the encoder, so that bucket finishes last).
 The ZeRO stages (llmz.zero) attach there: stage 2 starts reduce-scattering block l while block l-1's
-backward runs.
+backward runs; stage 3, which keeps only a slice of the parameters, all-gathers block l when it is asked for
+it and starts gathering the next block while block l computes. At stages 0-2 (and in tests) the stores are
+FullParams and FullGrads: full buffers, nothing to wait for.
 
 Shapes: B batch, T time, C channels, NH heads, L layers, V vocab, Vp padded vocab.
 """
@@ -25,6 +28,16 @@ from .kernels.layernorm import layernorm_backward, layernorm_forward
 from .kernels.matmul import matmul_backward, matmul_forward
 from .kernels.residual import residual_forward
 from .layout import Layout
+
+
+class FullParams:
+    """The plain parameter store: one full-size flat buffer, every bucket always there."""
+
+    def __init__(self, layout: Layout, flat):
+        self.views = layout.views(flat)
+
+    def bucket(self, b: int) -> dict:
+        return self.views[b]
 
 
 class FullGrads:
@@ -108,16 +121,17 @@ class GPT2:
         # whoever uploads the batch): the fast deterministic wte backward; None: the teaching kernel
         self.wte_buckets = None
 
-    def forward(self, p: list[dict], inputs, targets=None) -> None:
-        """p: named views per bucket [embeddings, block0.., lnf]; inputs, targets: (B, T) int32 on the device.
+    def forward(self, p, inputs, targets=None) -> None:
+        """p: the parameter store, p.bucket(b) = bucket b's named views (b: embeddings 0, block l 1+l, lnf L+1);
+        inputs, targets: (B, T) int32 on the device.
         Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync.
         backward recomputes the losses itself, so a training step may call forward without targets."""
         dev, a, c = self.dev, self.acts, self.config
         L = c.num_layers
-        emb, lnf = p[0], p[L + 1]
+        emb = p.bucket(0)
         encoder_forward(dev, a.encoded, inputs, emb["wte"], emb["wpe"])
         for layer in range(L):
-            w = p[1 + layer]
+            w = p.bucket(1 + layer)
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # attention branch: x + attproj(attention(qkv(ln1(x))))
             layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
@@ -137,6 +151,7 @@ class GPT2:
             gelu_forward(dev, a.fch_gelu[layer], a.fch[layer])
             matmul_forward(dev, a.fcproj[layer], a.fch_gelu[layer], w["fcprojw"], w["fcprojb"])
             residual_forward(dev, a.residual3[layer], a.residual2[layer], a.fcproj[layer])
+        lnf = p.bucket(L + 1)
         layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
         matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
         if targets is not None:
@@ -150,7 +165,7 @@ class GPT2:
         No host sync."""
         dev, a, c = self.dev, self.acts, self.config
         L, NH = c.num_layers, c.num_heads
-        emb, lnf = p[0], p[L + 1]
+        emb, lnf = p.bucket(0), p.bucket(L + 1)
         # classifier, fused (llm.c's fused_classifier): the losses, and dlogits = (softmax - onehot) * dloss
         # written over the logits, in one kernel that never materialises the probabilities
         classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
@@ -166,7 +181,7 @@ class GPT2:
                            lnf["lnfw"], a.lnf_mean, a.lnf_rstd)
         grads.done(L + 1)
         for layer in reversed(range(L)):
-            w, g = p[1 + layer], grads.bucket(1 + layer)
+            w, g = p.bucket(1 + layer), grads.bucket(1 + layer)
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # dresidual holds d(residual3). A residual add passes its gradient through unchanged to both
             # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.

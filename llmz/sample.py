@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         from .checkpoint import load_model
         from .device import Device
         from .layout import Layout
-        from .model import GPT2
+        from .model import GPT2, FullParams
         from .tokenizer import load_tokenizer
         cfg, llmc = load_model(args.init_from)
         tok = load_tokenizer(args.tokenizer)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         params = dev.asarray(layout.from_llmc(llmc), np.float32)
         T = args.seq_len or min(cfg.max_seq_len, 256)
         model = GPT2(cfg, dev, 1, T)
-        ids = generate(model, layout.views(params), tok, tok.encode(args.prompt).tolist(), args.tokens,
+        ids = generate(model, FullParams(layout, params), tok, tok.encode(args.prompt).tolist(), args.tokens,
                        args.seed, args.temperature)
         print(tok.decode(ids))
     except (LlmzError, ValueError, RuntimeError) as e:

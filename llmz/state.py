@@ -109,7 +109,7 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
             bad(f"{key} is {meta.get(key)!r}, not an integer >= 0")
     if meta["world_size"] < 1 or meta["rank"] >= meta["world_size"]:
         bad(f"rank {meta['rank']} of world size {meta['world_size']}")
-    if meta["zero_stage"] not in (0, 1, 2):
+    if meta["zero_stage"] not in (0, 1, 2, 3):
         bad(f"ZeRO stage {meta['zero_stage']}")
     if meta.get("precision") not in DTYPES:
         bad(f"precision {meta.get('precision')!r} (expected one of {', '.join(DTYPES)})")

@@ -1,6 +1,7 @@
-"""A timeline of one training step: each layer's backward on the compute stream and each collective on
-the comm stream, written as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and
-as a PNG, so a learner sees block l's reduce-scatter run beside block l-1's backward.
+"""A timeline of one training step: each layer's backward (and at ZeRO stage 3 each block's forward) on the
+compute stream and each collective on the comm stream, written as a Chrome trace (open it in
+https://ui.perfetto.dev or chrome://tracing) and as a PNG, so a learner sees block l's reduce-scatter run
+beside block l-1's backward, or block l+1's all-gather beside block l's forward.
 
 On the GPU every span is a pair of CUDA events recorded on its stream (no host synchronisation while
 tracing; the times are read once, at stop()). On cpu and sim everything runs in program order, so the
@@ -56,15 +57,17 @@ class Tracer:
         for name, stream, s, e in self.spans:
             ts, te = self._us(s), self._us(e)
             events.append({"name": name, "ph": "X", "ts": ts, "dur": max(te - ts, 0.0), "pid": self.rank,
-                           "tid": stream, "cat": "comm" if stream == "comm" else "backward"})
+                           "tid": stream, "cat": "comm" if stream == "comm" else
+                           "forward" if name.startswith("forward") else "backward"})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if self.rank != 0:                      # every rank traces; rank 0's timeline is written
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
-        title = f"rank {self.rank}: backward (compute stream) and reduce-scatter (comm stream)"
+        title = (f"rank {self.rank}: layers (compute stream) and collectives (comm stream): F forward, "
+                 "RS reduce-scatter, AG all-gather")
         if self.dev.kind != "gpu":
-            title += f" on {self.dev.kind}: no streams, every span runs after the one before"
+            title += f"\non {self.dev.kind}: no streams, every span runs after the one before"
         plot_png(events, png, title)
         return trace
 
@@ -80,9 +83,15 @@ def overlap_us(events: list[dict]) -> float:
 COLORS = {"compute": ("#4c8fd6", "#a9cdf2"), "comm": ("#f28e2b", "#ffd1a1")}
 
 
+def long_name(name: str) -> str:
+    """'reduce-scatter block6' -> 'RS block6', 'all-gather block6' -> 'AG block6', 'forward block6' -> 'F block6'."""
+    return name.replace("reduce-scatter ", "RS ").replace("all-gather ", "AG ").replace("forward ", "F ")
+
+
 def short_name(name: str) -> str:
-    """'reduce-scatter block6' -> '6', 'embeddings' -> 'emb': the label of a span too narrow for its name."""
-    name = name.replace("reduce-scatter ", "")
+    """'reduce-scatter block6' (or all-gather, forward) -> '6', 'embeddings' -> 'emb': the label of a span too
+    narrow for its name (its row says which stream)."""
+    name = name.split()[-1]
     return {"embeddings": "emb"}.get(name, name.replace("block", ""))
 
 
@@ -91,7 +100,7 @@ def label_span(ax, renderer, x0: float, width: float, y: float, height: float, n
     with a margin, or nothing (a wider view in Perfetto, from the .json, shows every name)."""
     (px0, py0), (px1, py1) = ax.transData.transform([(x0, y - height / 2), (x0 + width, y + height / 2)])
     for rotation in (0, 90):
-        for text in dict.fromkeys((name.replace("reduce-scatter ", "RS "), short_name(name))):
+        for text in dict.fromkeys((long_name(name), short_name(name))):
             t = ax.text(x0 + width / 2, y, text, ha="center", va="center", fontsize=7, rotation=rotation)
             box = t.get_window_extent(renderer)
             if box.width <= (px1 - px0) - 3 and box.height <= (py1 - py0) - 3:
@@ -104,6 +113,23 @@ def micro_steps(events: list[dict]) -> list[float]:
     (the final layernorm's), so K micro-steps give K starts."""
     comp = [e for e in events if e["tid"] == "compute"]
     return [e["ts"] for e in comp if e["name"] == comp[0]["name"]] if comp else []
+
+
+def gathers_ahead(events: list[dict]) -> tuple[int, int]:
+    """ZeRO stage 3: for every compute span of a block, the all-gather of that block it used (the latest one
+    begun before it); counts those that began before the compute span in front of it ended, that is, were
+    issued while the previous block computed (prefetched). Returns (prefetched, block compute spans)."""
+    comp = sorted((e for e in events if e["tid"] == "compute"), key=lambda e: e["ts"])
+    gathers = [e for e in events if e["tid"] == "comm" and e["name"].startswith("all-gather block")]
+    ahead = total = 0
+    for i, c in enumerate(comp):
+        block = c["name"].split()[-1]
+        used = [g["ts"] for g in gathers if g["name"] == f"all-gather {block}" and g["ts"] <= c["ts"]]
+        if not block.startswith("block") or not used:
+            continue
+        total += 1
+        ahead += i > 0 and max(used) < comp[i - 1]["ts"] + comp[i - 1]["dur"]
+    return ahead, total
 
 
 def plot_png(events: list[dict], path: str, title: str) -> None:
@@ -123,10 +149,11 @@ def timeline_figure(events: list[dict], title: str):
     ax.set_ylim(-0.6, 1.9)
     ax.set_yticks([0, 1], ["comm stream", "compute stream"])
     ax.set_xlabel("ms since the step began\nnames where a bar has room: RS = reduce-scatter, 6 = block 6, emb = "
-                  "embeddings, lnf = final layernorm (the .json in ui.perfetto.dev names every span)", fontsize=9)
+                  "embeddings, lnf = final layernorm; RS/AG/F as in the title (the .json in ui.perfetto.dev names every "
+                  "span)", fontsize=9)
     ax.set_title(title, fontsize=9)
     if not events:
-        ax.text(0.5, 0.5, "no spans recorded: the timeline records the backward pass of ZeRO stage 2",
+        ax.text(0.5, 0.5, "no spans recorded: the timeline records ZeRO stages 2 and 3",
                 transform=ax.transAxes, ha="center", va="center")
     fig.tight_layout()
     renderer = fig.canvas.get_renderer()
@@ -136,14 +163,14 @@ def timeline_figure(events: list[dict], title: str):
         if len(starts) > 1:                      # named where there is room before the next one
             room = ax.transData.transform([(starts[k + 1] if k + 1 < len(starts) else ax.get_xlim()[1], 0),
                                            (x, 0)])
-            for text in (f" micro-step {k + 1} backward", f" {k + 1}"):
+            for text in (f" micro-step {k + 1}", f" {k + 1}"):
                 t = ax.text(x, 1.55, text, fontsize=8, ha="left", va="center")
                 if t.get_window_extent(renderer).width <= room[0][0] - room[1][0] - 3:
                     break
                 t.remove()
     bucket_index: dict[str, int] = {}
     for e in events:
-        y, bucket = rows[e["tid"]], e["name"].replace("reduce-scatter ", "")
+        y, bucket = rows[e["tid"]], e["name"].split()[-1]
         tone = COLORS[e["tid"]][bucket_index.setdefault(bucket, len(bucket_index)) % 2]
         x0, w = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
         ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=tone, edgecolors="black", linewidth=0.5)

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
-    a("--zero-stage", type=int, choices=(0, 1, 2), default=0)
-    a("--no-overlap", action="store_true", help="stage 2: serialise each reduce-scatter with backward")
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
+      "(stage 3: and gather each block's parameters only when it runs, no prefetch)")
     a("--model", default=None, help="preset: tiny, small, d2, d4, d6, d12, ... (default: small on cpu, "
       "d6 on gpu)")
     a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file")
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sample-tokens", type=int, default=200)
     a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step")
     a("--save", default=None, metavar="FILE.bin", help="write the final model (llm.c format)")
-    a("--trace", default=None, metavar="FILE.json", help="stage 2: Chrome trace (+ PNG) of one step")
+    a("--trace", default=None, metavar="FILE.json", help="stages 2 and 3: Chrome trace (+ PNG) of one step")
     a("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
       "(model.bin, state_rank<r>.bin, DONE)")
     a("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps and after the "
@@ -414,7 +415,7 @@ class Run:
 
     def host_params(self) -> np.ndarray:
         """The full parameters on the host (bf16 runs: the bf16 values, widened to float32)."""
-        p = self.dev.to_host(self.zero.params)
+        p = self.zero.full_parameters()             # stage 3 gathers them: every rank calls this
         return bf16_to_f32(p) if p.dtype == np.uint16 else p
 
     def model_dtype(self) -> str:
@@ -449,6 +450,9 @@ def train(args, kind: str, ranks) -> dict:
     from .memory import table
     r0 = ranks.rank == 0
     say = print if r0 else (lambda *a, **k: None)
+    # who generates the printed samples: rank 0, and at ZeRO stage 3 every rank (generating gathers the
+    # parameters, a collective; each rank draws the same tokens from the same seed, rank 0 prints them)
+    samples = r0 or args.zero_stage == 3
     run = Run(args, kind, ranks)
     c = run.config
     say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
@@ -482,7 +486,7 @@ def train(args, kind: str, ranks) -> dict:
             say(f"step {step:5d} | val loss {vl:.4f}")
             if log:
                 log.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
-        if args.sample_every and step > 0 and step % args.sample_every == 0 and r0:
+        if args.sample_every and step > 0 and step % args.sample_every == 0 and samples:
             say("---\n" + run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed())) + "\n---")
         if args.trace and step == trace_step:
             run.tracer.start()
@@ -524,7 +528,7 @@ def train(args, kind: str, ranks) -> dict:
     summary = {"first_loss": first_loss, "final_loss": last, "val_losses": val_losses,
                "mean_ms": t_total * 1e3 / timed,
                "tokens_per_s": run.tokens_per_step * timed / t_total if t_total else None}
-    if r0 and run.val_loader:
+    if samples and run.val_loader:
         text = run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed()))
         say("--- sample ---\n" + text + "\n--------------")
     if args.save:

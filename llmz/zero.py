@@ -1,8 +1,9 @@
-"""ZeRO stages 0, 1, 2: what happens to a bucket's gradients when backward finishes it, and to the
-parameters after the optimizer step (Rajbhandari et al. 2019; llm.c's zero.cuh and PR #593).
+"""ZeRO stages 0, 1, 2, 3: what happens to a bucket's gradients when backward finishes it, to the parameters
+after the optimizer step, and (stage 3) to a bucket's parameters before the model uses them
+(Rajbhandari et al. 2019; llm.c's zero.cuh and PR #593).
 
-Every stage keeps the full parameters on every rank (stage 3 would shard those too). They differ in what
-else each rank keeps, with Ψ parameters and N ranks (fp32 training, no master copy):
+Stages 0-2 keep the full parameters on every rank; stage 3 shards those too. They differ in what each rank
+keeps, with Ψ parameters and N ranks (fp32 training, no master copy):
 
   stage 0  gradients 4Ψ,  m and v 8Ψ     all-reduce every bucket after backward; every rank runs AdamW on all
   stage 1  gradients 4Ψ,  m and v 8Ψ/N   reduce-scatter every bucket at the last micro-step; AdamW on my
@@ -11,6 +12,12 @@ else each rank keeps, with Ψ parameters and N ranks (fp32 training, no master c
                                          during backward, block l's gradients go into slot l % 2; when the
                                          block is done the comm stream reduce-scatters the slot and one kernel
                                          adds my part into my gradient shard and zeroes the slot
+  stage 3  parameters 4Ψ/N + two block slots + embeddings + lnf, gradients as stage 2, m and v 8Ψ/N
+                                         before block l runs (forward, then again in backward) its
+                                         parameters are all-gathered into slot l % 2, block l+1's (l-1's in
+                                         backward) while block l computes; the embeddings and the final
+                                         layernorm are gathered once a step, after AdamW, and kept; gradients
+                                         go exactly as at stage 2 (see Stage3)
 
 Rank r owns slice r of every bucket (llmz.layout). All communication goes through llmz.comm; ordering
 between the compute stream and the comm stream is by events only (record on one, wait on the other) —
@@ -26,6 +33,7 @@ from .kernels.adamw import adamw_update, adamw_update_bf16
 from .kernels.fill import zero
 from .kernels.norm import NORM_BLOCKS, clip_scale, norm_squared
 from .layout import Layout
+from .model import FullParams
 from .optim import AdamW
 
 
@@ -47,15 +55,13 @@ class ZeroStage:
         # rounding draws from (seed, element, step)
         self.bf16 = dev.dtype == np.uint16
         self.seed = seed
-        self.params = self._alloc("parameters", layout.total)
         # on the compute stream, in order with the kernels. bf16: params_host is the fp32 master; the bf16
         # parameters are its rounding to nearest at the start, and after `start_step` updates (a resume) the
         # stochastic rounding that step's AdamW wrote, recomputed from the same (seed, element, step)
         if self.bf16:
             host32 = params_host.astype(np.float32)
             bits = f32_to_bf16_stochastic(host32, seed, start_step - 1, 0) if start_step else f32_to_bf16(host32)
-        dev.copy_from_host(self.params, bits if self.bf16 else params_host)
-        self.pviews = layout.views(self.params)
+        self.alloc_parameters(bits if self.bf16 else params_host)
         n_opt = layout.total if self.stage == 0 else layout.shard_total
         opt_dtype = np.float32 if self.bf16 else None
         self.master = None
@@ -73,6 +79,22 @@ class ZeroStage:
         self.compute_done, self.comm_done = dev.event(), dev.event()
         self.norm_sq = dev.zeros(1, np.float64)
         self.norm_scratch = dev.zeros(NORM_BLOCKS, np.float64)
+
+    def alloc_parameters(self, values: np.ndarray) -> None:
+        """The parameters the model reads, from `values` (the full host buffer, in the run's dtype), and the
+        store it asks them from (self.pviews, llmz.model). Stages 0-2: whole on every rank."""
+        self.params = self._alloc("parameters", self.layout.total)
+        self.dev.copy_from_host(self.params, values)
+        self.pviews = FullParams(self.layout, self.params)
+
+    def param_slice(self, b, start: int, end: int):
+        """Where AdamW writes the parameters [start, end) of bucket b: in place in the full buffer."""
+        return self.layout.bucket_buffer(self.params, b)[start:end]
+
+    def full_parameters(self) -> np.ndarray:
+        """Every parameter on the host, in the run's dtype (bf16: the uint16 bits). Stage 3 gathers them:
+        call it on every rank."""
+        return self.dev.to_host(self.params)
 
     def _owned(self, full: np.ndarray) -> np.ndarray:
         """The stretches of a full host buffer this rank's optimizer holds, one after another."""
@@ -148,13 +170,13 @@ class ZeroStage:
         raise NotImplementedError
 
     def adamw(self) -> None:
-        """AdamW on what this rank owns: every bucket whole at stage 0, my slice of each at stages 1 and 2.
+        """AdamW on what this rank owns: every bucket whole at stage 0, my slice of each at stages 1-3.
         m and v hold those stretches one after another (owned_ranges)."""
         L, o = self.layout, self.opt
         at = 0
         for b, s, e in self.owned_ranges():
             n = e - s
-            p, g, m, v = L.bucket_buffer(self.params, b)[s:e], self.grad_slice(b, s, e), self.m[at:at + n], \
+            p, g, m, v = self.param_slice(b, s, e), self.grad_slice(b, s, e), self.m[at:at + n], \
                 self.v[at:at + n]
             if self.bf16:
                 # the fp32 master moves; the bf16 parameter is its stochastic rounding, element i of the
@@ -183,7 +205,7 @@ class ZeroStage:
     # ---- training state (llmz.state): slices per bucket, so another world size can re-shard them ------
     def owned_ranges(self) -> list[tuple]:
         """(bucket, start, end) of what m and v hold, in their order: every bucket whole at stage 0, my
-        slice of every bucket at stages 1 and 2."""
+        slice of every bucket at stages 1-3."""
         L = self.layout
         if self.stage == 0:
             return [(b, 0, b.padded_size) for b in L.buckets]
@@ -368,7 +390,175 @@ class Stage2(ZeroStage):
         zero(self.dev, self.grad_shard)
 
 
-STAGES = {0: Stage0, 1: Stage1, 2: Stage2}
+class Stage3(Stage2):
+    """Parameter sharding: each rank keeps only its slice of the parameters too (bf16: of the bf16
+    parameters and of the fp32 master), and gathers a bucket's full parameters just before the model uses
+    them (llmz.model asks `p.bucket(b)`; self.pviews answers through param_bucket):
+
+      1. block l's parameters are all-gathered into slot l % 2 of two parameter slots, on the comm stream,
+         from every rank's slice (comm.all_gather(slot, src=my slice)); an event recorded there makes the
+         compute stream wait before block l's first kernel, never the host;
+      2. prefetch: while block l computes, block l+1's gather already runs on the comm stream (in backward:
+         block l-1's). Its slot was block l-1's (l+1's): the comm stream first waits on an event recorded on
+         the compute stream after that block's last kernel. Every block is gathered twice a micro-step:
+         before its forward and again before its backward (2L gathers);
+      3. backward starts (its first call, grads.bucket(0) for the classifier's wte gradient) by gathering
+         block L-1, under the classifier's backward; a forward's block 0 has nothing before it to hide under
+         (the store cannot tell a forward's first request from the backward's, so it never guesses);
+      4. the embeddings and the final layernorm are gathered once a step, right after AdamW, into buffers of
+         their own, and kept for the whole next step (they are there at start-up and after a resume: every
+         rank starts from the full host parameters). Why not through the slots, gathered twice: wte is used
+         first (encoder) and last (classifier) in forward and first again in backward, back to back; it is
+         the largest bucket (GPT-2 124M: 39M parameters, 5.5 blocks), so in a slot it would make both slots
+         5.5 times bigger, and in a buffer of its own it costs the same memory gathered once as twice. Once
+         a step and not once a micro-step: with K micro-steps the step's parameters do not change, and every
+         micro-step stays the same sequence of calls (one CUDA graph). lnf is 2C values and used at the same
+         two moments: it goes with wte;
+      5. gradients go exactly as at stage 2 (Stage2: two gradient slots, reduce-scatter + accumulate on the
+         comm stream, which also carries the gathers, in program order);
+      6. AdamW updates my parameter shard (Stage1's sharded update); no full all-gather after the step.
+
+    Memory per rank: parameters bΨ/N + two slots + embeddings + lnf, gradients the same (as stage 2), m and
+    v 2bΨ/N (bf16: + the fp32 master shard). Communication per micro-step: 2L block gathers and L+2
+    reduce-scatters (≈ 3bΨ(N-1)/N), plus the embeddings' and lnf's gathers once a step.
+    CUDA graphs: no host synchronisation, no allocation and no new event inside a step; the order of the
+    gathers is the same in every micro-step."""
+
+    stage = 3
+
+    def alloc_parameters(self, values: np.ndarray) -> None:
+        L, dev = self.layout, self.dev
+        # my slice of every bucket, one after another (as the gradient shard, m and v): what AdamW updates
+        self.param_shard = self._alloc("parameters", L.shard_total)
+        dev.copy_from_host(self.param_shard, self._owned(values))
+        # two block slots: block l is gathered into slot l % 2
+        slot_size = max(b.padded_size for b in L.buckets[1:-1])
+        self.slots = [self._alloc("parameters", slot_size), self._alloc("parameters", slot_size)]
+        # the embeddings and the final layernorm, whole for the step
+        self.ends = {}
+        for b in (L.embeddings, L.lnf):
+            self.ends[b.index] = self._alloc("parameters", b.padded_size)
+            dev.copy_from_host(self.ends[b.index], L.bucket_buffer(values, b))
+        # the named views the model gets, made once: block l's into slot l % 2, the ends' into their buffers;
+        # and where each bucket's slice sits in my shard (what I contribute to its all-gathers)
+        self.views = {b.index: b.views(self.ends[b.index] if b.index in self.ends else self.slots[(b.index - 1) % 2])
+                      for b in L.buckets}
+        self.mine = {b.index: self.param_shard[L.shard_offset(b):L.shard_offset(b) + b.shard_size]
+                     for b in L.buckets}
+        self.pviews = GatheredParams(self)
+        # events, made once and reused (their record/wait pairs can be captured into a CUDA graph)
+        self.gathered = [dev.event(), dev.event()]     # on the comm stream: slot s holds its block
+        self.ends_gathered = dev.event()                # on the comm stream: embeddings and lnf gathered
+        self.compute_mark = dev.event()                 # on the compute stream: everything enqueued so far
+        self.prefetched = None                          # the block whose gather is already under way
+        self.in_backward = False                        # between backward's first call and its last
+        self.forward_span = None                        # (tracer) the block whose forward is being timed
+        self.all_gathers: list[str] = []                # the buckets gathered, in order (lessons, tests)
+
+    # ---- the parameter store the model asks (llmz.model) -------------------------------------------------
+    def param_bucket(self, b: int) -> dict:
+        """Bucket b's full parameters as named views, once they are on this rank (for the compute stream:
+        it waits on the gather's event here); starts gathering the block the model will ask for next."""
+        L = self.layout
+        self._end_forward_span()
+        if b in self.ends:
+            return self.views[b]                        # gathered for the step (gather_parameters)
+        layer = b - 1
+        if self.prefetched != layer:                    # not gathered ahead (a forward's block 0, --no-overlap)
+            self._gather_block(layer)
+        self.gathered[layer % 2].wait(self.dev.compute_stream)
+        nxt = layer - 1 if self.in_backward else layer + 1
+        self.prefetched = None
+        if self.overlap and 0 <= nxt < L.config.num_layers:
+            self._gather_block(nxt)                     # on the comm stream, while this block computes
+            self.prefetched = nxt
+        if self.tracer and not self.in_backward:
+            self.forward_span = f"forward {L.buckets[b].name}"
+            self.tracer.begin(self.forward_span, "compute")
+        return self.views[b]
+
+    def _gather_block(self, layer: int) -> None:
+        """Block `layer`'s parameters into slot layer % 2, on the comm stream, once the compute stream is done
+        with what the slot held (every kernel enqueued so far)."""
+        dev = self.dev
+        self.compute_mark.record(dev.compute_stream)
+        self.compute_mark.wait(dev.comm_stream)
+        bucket = self.layout.block(layer)
+        self._all_gather(bucket, self.slots[layer % 2][:bucket.padded_size])
+        self.gathered[layer % 2].record(dev.comm_stream)
+
+    def _all_gather(self, bucket, buf) -> None:
+        """buf <- bucket's full parameters: every rank contributes its slice from its shard (comm stream)."""
+        if self.tracer:
+            self.tracer.begin(f"all-gather {bucket.name}", "comm")
+        self.comm.all_gather(buf, src=self.mine[bucket.index])
+        self.all_gathers.append(bucket.name)
+        if self.tracer:
+            self.tracer.end(f"all-gather {bucket.name}", "comm")
+
+    def _end_forward_span(self) -> None:
+        if self.forward_span:
+            self.tracer.end(self.forward_span, "compute")
+            self.forward_span = None
+
+    # ---- the gradient store (Stage2's), which also tells where backward is -----------------------------
+    def bucket(self, b: int) -> dict:
+        if b == 0 and not self.in_backward:
+            # backward's first call (the classifier's wte gradient): from here on blocks come in reverse
+            # order, and block L-1's gather can run under the classifier's backward
+            self._end_forward_span()
+            self.in_backward = True
+            if self.overlap:
+                self._gather_block(self.layout.config.num_layers - 1)
+                self.prefetched = self.layout.config.num_layers - 1
+        return super().bucket(b)
+
+    def done(self, b: int) -> None:
+        super().done(b)
+        if b == 0:
+            self.in_backward = False                    # the embeddings' gradient is backward's last
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def param_slice(self, b, start: int, end: int):
+        at = self.layout.shard_offset(b)
+        return self.param_shard[at:at + end - start]
+
+    def gather_parameters(self) -> None:
+        """After AdamW: the embeddings and the final layernorm, gathered for the next step and kept."""
+        dev = self.dev
+        self.compute_mark.record(dev.compute_stream)    # the comm stream waits for the AdamW kernels
+        self.compute_mark.wait(dev.comm_stream)
+        for b in self.ends:
+            self._all_gather(self.layout.buckets[b], self.ends[b])
+        self.ends_gathered.record(dev.comm_stream)
+        self.ends_gathered.wait(dev.compute_stream)
+
+    def full_parameters(self) -> np.ndarray:
+        """Every bucket gathered (blocks through slot 0) and copied to the host: a collective."""
+        L = self.layout
+        out = np.zeros(L.total, dtype=self.dev.dtype)
+        for b in L.buckets:
+            if b.index in self.ends:
+                buf = self.ends[b.index]
+            else:
+                self._gather_block(b.index - 1)
+                self.gathered[(b.index - 1) % 2].wait(self.dev.compute_stream)
+                buf = self.slots[(b.index - 1) % 2]
+            out[b.offset:b.offset + b.padded_size] = self.dev.to_host(buf[:b.padded_size])
+        return out
+
+
+class GatheredParams:
+    """Stage 3's parameter store: llmz.model's `p.bucket(b)` is Stage3.param_bucket(b)."""
+
+    def __init__(self, stage: Stage3):
+        self.stage = stage
+
+    def bucket(self, b: int) -> dict:
+        return self.stage.param_bucket(b)
+
+
+STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 
 
 def make_stage(stage: int, *args, **kw) -> ZeroStage:

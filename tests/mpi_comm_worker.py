@@ -84,6 +84,10 @@ class Checker:
         buf = self.on_device(start)
         self.comm.all_gather(buf)
         assert np.array_equal(self.host(buf), full), f"all_gather {np.dtype(dtype)}: not every slice arrived"
+        # from my slice kept in another buffer (ZeRO-3's shard): nothing of mine is in buf beforehand
+        buf, src = self.on_device(np.full_like(full, np.nan)), self.on_device(full[self.r * n:(self.r + 1) * n])
+        self.comm.all_gather(buf, src=src)
+        assert np.array_equal(self.host(buf), full), f"all_gather {np.dtype(dtype)} from src: not every slice arrived"
 
     def broadcast(self, dtype, size: int) -> None:
         xs = [x.astype(dtype) for x in rank_inputs(size, self.n)]

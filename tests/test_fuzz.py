@@ -205,7 +205,7 @@ def test_state_file_json_fields_are_each_validated(originals, tmp_path):
     n = int(np.frombuffer(raw[8:12], "<u4")[0])
     meta = json.loads(raw[1024:1024 + n])
     body = raw[_align8(1024 + n):]
-    bad = [("step", -1), ("world_size", 0), ("rank", 2), ("zero_stage", 3), ("precision", "bf16"),
+    bad = [("step", -1), ("world_size", 0), ("rank", 2), ("zero_stage", 4), ("precision", "bf16"),
            ("config", {**meta["config"], "num_heads": 0}), ("config", {**meta["config"], "channels": 17}),
            ("data", {**meta["data"], "world_size": 4}), ("data", {**meta["data"], "position": "7"}),
            ("rng", {"bit_generator": "MT19937"}), ("buckets", meta["buckets"][:-1]),

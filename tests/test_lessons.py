@@ -14,7 +14,8 @@ from mpirun import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi
 LESSONS = {"00_one_device": 4, "01_stage0_data_parallel": 4, "02_stage1_optimizer_sharding": 4,
-           "03_stage2_gradient_sharding": 7, "04_stochastic_rounding": 5}
+           "03_stage2_gradient_sharding": 7, "04_stochastic_rounding": 5,
+           "05_stage3_parameter_sharding": 7}
 
 
 def run_lesson(name: str, out, env: dict | None = None):
@@ -40,12 +41,16 @@ def test_lesson_on_two_ranks_passes_every_checkpoint(name, tmp_path):
     if name.startswith("03"):
         for png in ("stage2_timeline_thin_2ranks_k2.png", "memory_per_rank_thin_2ranks.png"):
             assert (tmp_path / png).stat().st_size > 10_000, png
+    if name.startswith("05"):
+        for png in ("stage3_timeline.png", "memory_per_rank_stages0-3.png"):
+            assert (tmp_path / png).stat().st_size > 10_000, png
 
 
 @pytest.mark.parametrize("name, broken, failing", [
     ("01_stage0_data_parallel", "skip_all_reduce", (1, 2, 4)),        # losses, identical params, bytes
     ("02_stage1_optimizer_sharding", "skip_all_gather", (1, 2, 4)),   # losses, identical params, bytes
     ("03_stage2_gradient_sharding", "skip_all_gather", (1, 2, 5)),    # losses, identical params, bytes
+    ("05_stage3_parameter_sharding", "skip_all_gather", (1, 2, 4, 5)),  # losses, identical params, count, bytes
 ])
 def test_removing_a_collective_fails_the_checkpoints_that_measure_it(name, broken, failing, tmp_path):
     p = run_lesson(name, tmp_path, env={"LLMZ_LESSON_BREAK": broken})

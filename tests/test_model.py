@@ -7,7 +7,7 @@ from helpers import rel_err
 from llmz.config import GPT2Config, preset
 from llmz.device import Device
 from llmz.layout import Layout, init_parameters
-from llmz.model import GPT2, FullGrads
+from llmz.model import GPT2, FullGrads, FullParams
 
 TINY = GPT2Config(max_seq_len=8, vocab_size=50, padded_vocab_size=64, num_layers=2, num_heads=2, channels=8)
 
@@ -33,7 +33,7 @@ def run(dev, cfg, flat_host, x, y, B, T, buckets=False):
     if buckets:
         from llmz.kernels.encoder import wte_buckets_upload
         model.wte_buckets = wte_buckets_upload(dev, x)
-    pv = layout.views(params)
+    pv = FullParams(layout, params)
     xd, yd = dev.asarray(x, np.int32), dev.asarray(y, np.int32)
     model.forward(pv, xd, yd)
     loss = model.mean_loss()
@@ -54,7 +54,7 @@ def test_model_reference_backward_matches_finite_differences(rng):
     model = GPT2(TINY, dev, B, T)
 
     def loss_at(f):
-        model.forward(layout.views(f), x.astype(np.int32), y.astype(np.int32))
+        model.forward(FullParams(layout, f), x.astype(np.int32), y.astype(np.int32))
         return model.mean_loss()
     # a few elements of every tensor of every bucket, central differences in float64
     eps = 1e-5

@@ -1,5 +1,5 @@
 """Checkpoints and resume: N steps + resume + N steps equal 2N straight steps bit for bit (same world size,
-stages 0, 1, 2, float64 and float32); resume on another world size or ZeRO stage re-shards and continues
+stages 0-3, float64 and float32); resume on another world size or ZeRO stage re-shards and continues
 within float64 rounding; a killed rank, a failed write or a non-finite loss never costs the last complete
 checkpoint; a corrupted checkpoint ends `python -m llmz.train` with one `error:` line."""
 import json
@@ -68,7 +68,8 @@ def full(ckpt_folder, name: str) -> np.ndarray:
 
 # ---- bit-identical resume ----------------------------------------------------------------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("stage,precision", [(0, "fp64"), (1, "fp64"), (2, "fp64"), (2, "fp32"), (0, "fp32")])
+@pytest.mark.parametrize("stage,precision", [(0, "fp64"), (1, "fp64"), (2, "fp64"), (2, "fp32"), (0, "fp32"),
+                                             (3, "fp64")])
 def test_resume_on_the_same_ranks_is_bit_identical_to_the_straight_run(tmp_path, model_file, stage,
                                                                         precision):
     common = ["--init-from", model_file, "--zero-stage", str(stage), "--precision", precision,
@@ -115,8 +116,8 @@ def straight_reference(tmp_path_factory, model_file):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("chain", [((2, 2), (4, 1), (1, 0)), ((2, 2), (2, 1), (2, 0))],
-                         ids=["ranks_2_4_1", "stages_2_1_0"])
+@pytest.mark.parametrize("chain", [((2, 2), (4, 1), (1, 0)), ((2, 2), (2, 1), (2, 0)), ((2, 3), (4, 1), (1, 3))],
+                         ids=["ranks_2_4_1", "stages_2_1_0", "stage3_ranks_2_4_1"])
 def test_resume_across_world_sizes_and_stages_matches_the_straight_run(tmp_path, tmp_path_factory,
                                                                        model_file, chain):
     ref_losses, ref_params, ref_v = straight_reference(tmp_path_factory, model_file)
