@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 
-def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto"):
+def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto", stage: int = 2):
     from llmz.data import write_tokens
     from llmz.launch import init_ranks
     from llmz.train import Run, parse_args
@@ -15,7 +15,7 @@ def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto"):
     write_tokens(path, np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.int64))
     model, B, T = ("d2", 4, 64) if device == "gpu" else ("tiny", 2, 8)
     args, kind = parse_args(["--device", device, "--model", model, "-b", str(B), "-t", str(T),
-                             "--zero-stage", "2", "--precision", precision, "--comm", comm, "--grad-accum", "2",
+                             "--zero-stage", str(stage), "--precision", precision, "--comm", comm, "--grad-accum", "2",
                              "--train-data", path, "--val-data", "", "--steps", "2", "--quiet"])
     run = Run(args, kind, init_ranks())
     run.next_batch(run.train_loader, backward=True)
@@ -43,9 +43,11 @@ def accumulated_shard(run, micros: list[int], graphed: bool) -> np.ndarray:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_stage2_micro_step_replayed_twice_gives_the_eager_gradient_shard_bit_for_bit(tmp_path, precision):
-    run = stage2_run(tmp_path, "gpu", precision)
+def test_stage2_micro_step_replayed_twice_gives_the_eager_gradient_shard_bit_for_bit(tmp_path, precision, stage):
+    """Stage 3 too: its micro-step is stage 2's plus every block's parameters gathered twice."""
+    run = stage2_run(tmp_path, "gpu", precision, stage=stage)
     assert run.graphs.enabled
     eager = accumulated_shard(run, [5, 6], graphed=False)
     first = accumulated_shard(run, [5, 6], graphed=True)      # graphs.run: eager, then captured and replayed
