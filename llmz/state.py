@@ -253,14 +253,13 @@ def write_done(folder: str, info: dict) -> None:
     atomic_write(os.path.join(folder, DONE_FILE), [(json.dumps(info) + "\n").encode()])
 
 
-def prune(root: str, keep: int) -> list[str]:
-    """Delete complete checkpoints older than the newest `keep`, and incomplete ones older than the newest
-    complete one (left by a crash). DONE goes first, so a half-deleted folder is never taken as complete."""
-    found = checkpoints(root)
+def prune(root: str, keep: int, newest: int) -> list[str]:
+    """After writing the checkpoint of step `newest`: delete the complete checkpoints older than the newest
+    `keep` of those up to `newest`, and incomplete ones older than `newest` (left by a crash). Checkpoints
+    after `newest` are never touched (they are not this run's). DONE goes first, so a half-deleted folder
+    is never taken as complete."""
+    found = [(s, p, c) for s, p, c in checkpoints(root) if s <= newest]
     complete = [(s, p) for s, p, c in found if c]
-    if not complete:
-        return []
-    newest = complete[-1][0]
     doomed = [p for s, p in complete[:-keep]] if keep > 0 else []
     doomed += [p for s, p, c in found if not c and s < newest]
     for p in doomed:

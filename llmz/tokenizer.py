@@ -9,6 +9,7 @@ All tokenizers share: `vocab_size`, `eot` (the end-of-text id, or None), `encode
 """
 from __future__ import annotations
 
+import codecs
 import os
 
 import numpy as np
@@ -174,6 +175,30 @@ def read_tokenizer(path: str) -> tuple[list[bytes], int | None]:
         raise LlmzError(f"{path}: wrong size: {size} bytes, the {vocab} tokens end at byte {HEADER_BYTES + at} "
                         f"({body - at} extra bytes)")
     return table, eot
+
+
+def start_id(tok) -> int:
+    """The token a sample without a prompt starts from: end-of-text where the tokenizer has one, else the
+    token that is a newline, else 0. Needs no encoding (a tokenizer file only decodes)."""
+    if tok.eot is not None:
+        return tok.eot
+    table = tok.token_table()
+    return table.index(b"\n") if b"\n" in table else 0
+
+
+class TextStream:
+    """Ids -> text, one id at a time (printing a sample as it is generated): each token's bytes go through
+    one incremental UTF-8 decoder, since a character may span two tokens; the pieces join to decode(ids)."""
+
+    def __init__(self, tok):
+        self.table = tok.token_table()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self.decoder.decode(self.table[token])
+
+    def end(self) -> str:
+        return self.decoder.decode(b"", final=True)
 
 
 def load_tokenizer(path_or_name: str):
