@@ -34,7 +34,8 @@ BREAKS = ("skip_all_gather", "skip_all_reduce")
 def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None) -> argparse.Namespace:
     """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
+    from llmz.args import Parser, check_lesson  # one-line errors, defaults in --help
+    p = Parser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
     p.add_argument("--device", choices=KINDS, default="auto", help="auto: gpu where there is one, else cpu")
     p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="as in llmz.train")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {steps}; {sim_steps} on sim)")
@@ -45,6 +46,7 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
         p.add_argument("--grad-accum", type=int, default=grad_accum, help="K micro-steps per step")
     p.add_argument("--out", default="lessons_out", help="where figures go")
     a = p.parse_args(argv)
+    check_lesson(a)                    # one line for a bad flag, on every rank (main calls this under the ranks)
     a.kind = resolve(a.device)
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
@@ -60,10 +62,10 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
 def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
     ends every rank (llmz.launch.abort_on_error)."""
-    a = parse(doc, argv, steps, sim_steps, grad_accum)
-    from llmz.launch import abort_on_error, init_ranks
+    from llmz.launch import abort_on_error, agree, init_ranks
     ranks = init_ranks()
     with abort_on_error(ranks):
+        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum))
         code = lesson(a, ranks)
     return code
 

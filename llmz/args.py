@@ -34,12 +34,12 @@ DTYPE_TINY = {"fp32": float(np.finfo(np.float32).tiny), "bf16": float(np.finfo(n
 
 # ---- parser -------------------------------------------------------------------------------------------------
 class HelpFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default: ' (default: X)' unless the help already says it, ' (default:
-    off)' for a switch. A flag whose default is None says what it is in its own help."""
+    """Every flag's help ends with its default: ' (default: X)' unless the help already has one '(default...)',
+    ' (default: off)' for a switch. A flag whose default is None says what it is in its own help."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
             return text
         if action.nargs == 0 and action.const is True:
             return text + " (default: off)"
@@ -140,7 +140,7 @@ def check_model_flags(args, cfg, source: str) -> None:
     if (want.num_layers, want.num_heads, want.channels) != (cfg.num_layers, cfg.num_heads, cfg.channels) or \
             (args.vocab_size or cfg.vocab_size) != cfg.vocab_size or \
             (args.max_seq_len or cfg.max_seq_len) != cfg.max_seq_len:
-        fail(f"{' '.join(given)} do not describe the model of {source} (L={cfg.num_layers} NH={cfg.num_heads} "
+        fail(f"{' '.join(given)} {'does' if len(given) == 1 else 'do'} not describe the model of {source} (L={cfg.num_layers} NH={cfg.num_heads} "
              f"C={cfg.channels} V={cfg.vocab_size} maxT={cfg.max_seq_len}); drop them: the file gives the model")
 
 
@@ -196,7 +196,16 @@ def check_outputs(outputs: dict[str, str | None], folders: dict[str, str | None]
 # ---- python -m llmz.train ------------------------------------------------------------------------------------
 def check_train(args, kind: str, world_size: int = 1) -> None:
     """Every flag of llmz.train, after the device defaults are filled in (llmz.train.defaults_for).
-    world_size: ranks in the job (batches per file are counted for it)."""
+    world_size: ranks in the job (batches per file are counted for it). Any refusal is a UsageError."""
+    try:
+        _check_train(args, kind, world_size)
+    except UsageError:
+        raise
+    except LlmzError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_train(args, kind: str, world_size: int) -> None:
     from .config import preset
     # numbers
     positive(args, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
@@ -291,7 +300,16 @@ def check_train(args, kind: str, world_size: int = 1) -> None:
 # ---- python -m llmz.sample -----------------------------------------------------------------------------------
 def check_sample(args):
     """Every flag of llmz.sample -> (model config, tokenizer, prompt ids) for the run; reads the model's header
-    only."""
+    only. Any refusal is a UsageError."""
+    try:
+        return _check_sample(args)
+    except UsageError:
+        raise
+    except LlmzError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_sample(args):
     from .checkpoint import model_config
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")

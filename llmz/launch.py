@@ -159,13 +159,14 @@ def _die(rank: int, world_size: int, line: str | None, code: int, delay: float =
 
 
 @contextlib.contextmanager
-def abort_on_error(ranks: RankInfo | None = None, interrupted=None):
+def abort_on_error(ranks: RankInfo | None = None):
     """Run a rank's main; any exception ends the whole job with one line `rank R: error: <message>`.
 
     LlmzError prints its message alone, other exceptions `Type: message`; LLMZ_DEBUG=1 adds the traceback.
     An AgreedError (every rank failed alike at start) is printed by rank 0 alone, and every rank exits.
-    Ctrl-C (KeyboardInterrupt) prints one line, `interrupted()` (what was interrupted: "interrupted at
-    step N; last checkpoint ...") or "interrupted", and exits with 130, as shells do for SIGINT.
+    Ctrl-C (KeyboardInterrupt) prints one line, the KeyboardInterrupt's message if the command gave it one
+    (llmz.train: "interrupted at step N; last checkpoint ...") or "interrupted", and exits with 130, as
+    shells do for SIGINT.
     A non-zero sys.exit on one rank also aborts the others (they could be waiting for it), silently:
     whoever called sys.exit has said why.
     """
@@ -184,12 +185,9 @@ def abort_on_error(ranks: RankInfo | None = None, interrupted=None):
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
-        try:
-            line = interrupted() if interrupted else "interrupted"
-        except Exception:  # noqa: BLE001  (the line is a courtesy; never let it hide the interrupt)
-            line = "interrupted"
+        line = str(e) or "interrupted"
         _die(rank, size, line, INTERRUPTED_EXIT, delay=2 * ABORT_GRACE_S if rank else 0.0)
     except BaseException as e:  # noqa: BLE001  (no peer may be left waiting)
         rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()

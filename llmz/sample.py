@@ -55,8 +55,8 @@ def build_parser():
     a = p.add_argument
     a("--init-from", required=True, metavar="FILE.bin", help="the llm.c model file (fp32 or bf16) to sample from "
       "(required)")
-    a("--prompt", default="", help="text the sample continues; '' starts from the end-of-text token (or a "
-      "newline) and prints only the sample")
+    a("--prompt", default="", help="text the sample continues (default: '': start from the end-of-text token, "
+      "or a newline, and print the sample alone)")
     a("--tokens", type=int, default=200, help="tokens to generate")
     a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file (decodes only: no "
       "--prompt with one)")

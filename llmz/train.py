@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="llm.c token files for the validation loss; '' for none (default: the shipped "
       "data/shakespeare_val.bin)")
     a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
-    a("--shuffle", action="store_true", help="shuffle batch order each epoch (off: llm.c's order)")
+    a("--shuffle", action="store_true", help="shuffle the batch order every epoch (llm.c keeps the files' "
+      "order)")
     a("--batch-size", "-b", type=int, default=None, help="B per rank (default: 16 on cpu, 32 on gpu)")
     a("--seq-len", "-t", type=int, default=None, help="T (default: 64 on cpu, 256 on gpu)")
     a("--grad-accum", type=int, default=1, help="K micro-steps per optimizer step")
@@ -87,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--val-batches", type=int, default=10, help="batches per validation loss (at most the val data's)")
     a("--sample-every", type=int, default=0, help="print a sample every N steps; 0 = only at the end")
     a("--sample-tokens", type=int, default=200, help="tokens per printed sample; 0 = no samples")
-    a("--log", default=None, metavar="FILE.jsonl", help="append one JSON object per step, flushed each time; "
-      "a resumed run continues the file (default: no log)")
+    a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
+      "new run starts the file, a resumed run continues it (default: no log)")
     a("--save", default=None, metavar="FILE.bin", help="write the final model, llm.c format (default: not "
       "saved)")
     a("--trace", default=None, metavar="FILE.json", help=f"ZeRO stage {'/'.join(map(str, TRACE_STAGES))}: "
@@ -504,6 +505,7 @@ def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | Non
 def take_locks(args, locks: list) -> list[str]:
     """Rank 0, at start: lock --checkpoint-dir and --log for this run (llmz.lock); appends each Lock taken
     to `locks` (released at the end, also on failure). Returns the notes of stale locks taken over."""
+    from .errors import LlmzError, UsageError
     from .lock import Lock
     notes = []
     for path, what in ((args.checkpoint_dir and os.path.join(args.checkpoint_dir, "llmz.lock"),
@@ -511,7 +513,12 @@ def take_locks(args, locks: list) -> list[str]:
                        (args.log and args.log + ".lock", f"log {args.log}")):
         if path:
             lock = Lock(path, what)
-            note = lock.acquire()
+            try:
+                note = lock.acquire()
+            except UsageError:
+                raise
+            except LlmzError as e:              # refused at start, like a flag: exit status 2
+                raise UsageError(str(e)) from None
             locks.append(lock)
             if note:
                 notes.append(note)
@@ -639,8 +646,9 @@ def train(args, kind: str, ranks) -> dict:
     except KeyboardInterrupt:
         last_ck = (run.last_checkpoint if run else None) or ("none" if args.checkpoint_dir else
                                                              "none (no --checkpoint-dir)")
-        raise KeyboardInterrupt(f"interrupted at step {step if step is not None else 0}; last checkpoint "
-                                f"{last_ck}" + (f"; log {args.log}" if log else "")) from None
+        where = "before training began" if step is None else f"at step {step}"
+        raise KeyboardInterrupt(f"interrupted {where}; last checkpoint {last_ck}"
+                                + (f"; log {args.log}" if log else "")) from None
     finally:
         if log:
             with contextlib.suppress(LlmzError):    # already failing: the first error is the one to report
