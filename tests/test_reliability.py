@@ -196,6 +196,28 @@ def test_a_checkpoint_or_save_is_never_written_from_non_finite_values(tmp_path, 
     assert not (tmp_path / "m.bin").exists()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, stage", [("fp32", 0), ("bf16", 0), ("bf16", 2)])
+def test_on_the_gpu_a_checkpoint_is_never_written_from_non_finite_values(tmp_path, precision, stage):
+    """The same on the GPU, after steps replayed as CUDA graphs (stage 0) or eager (stage 2): the check reads
+    the buffers the graphs write."""
+    from llmz.train import Run, parse_args
+    args, kind = parse_args(["--device", "gpu", "--model", "d2", "-b", "4", "-t", "64", "--steps", "3",
+                             "--precision", precision, "--zero-stage", str(stage), "--quiet"])
+    run = Run(args, kind, HERE)
+    for step in range(2):
+        run.step(step)
+    assert run.all_finite()
+    assert Path(run.save_checkpoint(str(tmp_path / "ck"), 2), DONE_FILE).exists()
+    host = run.dev.to_host(run.zero.params).copy()
+    host[len(host) // 2] = 0x7FC0 if host.dtype == np.uint16 else np.nan
+    run.dev.copy_from_host(run.zero.params, host)
+    assert not run.all_finite()
+    with pytest.raises(LlmzError, match="non-finite"):
+        run.save_checkpoint(str(tmp_path / "ck"), 3)
+    assert [s for s, _, done in checkpoints(str(tmp_path / "ck")) if done] == [2]
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")         # numpy's overflow warnings: the run diverges
 def test_a_diverging_run_stops_naming_the_step_and_keeps_no_checkpoint_of_the_bad_parameters(tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
