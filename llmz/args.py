@@ -163,16 +163,20 @@ def batches_in(pattern: str, name: str, B: int, T: int, world_size: int) -> int:
 
 def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int) -> None:
     """cpu and sim: the bytes a rank will hold (llmz.memory's formula, plus the float64 copy the parameters
-    start from) must fit in the memory available; refused in one line otherwise, before allocating."""
-    from .files import available_memory, fmt_bytes
+    start from and the float32 values of a model file) must fit in the memory available; refused in one line
+    otherwise, before allocating."""
     from .memory import predicted
-    need_bytes = sum(predicted(layout, stage, B, T, value_bytes).values()) + 8 * layout.total
+    c = layout.config
+    fits_in_memory(sum(predicted(layout, stage, B, T, value_bytes).values()) + 12 * layout.total,
+                   f"this configuration does not fit in memory: L={c.num_layers} C={c.channels} V={c.vocab_size} "
+                   f"maxT={c.max_seq_len} at B={B} T={T}", " per rank; lower -b, -t, --max-seq-len or the model")
+
+
+def fits_in_memory(need_bytes: int, what: str, advice: str = "") -> None:
+    from .files import available_memory, fmt_bytes
     free = available_memory()
     if free is not None and need_bytes > free:
-        c = layout.config
-        fail(f"this configuration does not fit in memory: L={c.num_layers} C={c.channels} V={c.vocab_size} "
-             f"maxT={c.max_seq_len} at B={B} T={T} needs about {fmt_bytes(need_bytes)} per rank, "
-             f"{fmt_bytes(free)} is available; lower -b, -t, --max-seq-len or the model")
+        fail(f"{what} needs about {fmt_bytes(need_bytes)} of memory, {fmt_bytes(free)} is available{advice}")
 
 
 def check_outputs(outputs: dict[str, str | None], folders: dict[str, str | None]) -> None:
@@ -298,18 +302,18 @@ def _check_train(args, kind: str, world_size: int) -> None:
 
 
 # ---- python -m llmz.sample -----------------------------------------------------------------------------------
-def check_sample(args):
+def check_sample(args, kind: str = "cpu"):
     """Every flag of llmz.sample -> (model config, tokenizer, prompt ids) for the run; reads the model's header
     only. Any refusal is a UsageError."""
     try:
-        return _check_sample(args)
+        return _check_sample(args, kind)
     except UsageError:
         raise
     except LlmzError as e:
         raise UsageError(str(e)) from None
 
 
-def _check_sample(args):
+def _check_sample(args, kind: str):
     from .checkpoint import model_config
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
@@ -320,6 +324,12 @@ def _check_sample(args):
         fail(f"--init-from: {e}")
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
+    # memory: the file's values, their copy in llmz's layout, the device's copy (cpu, sim), activations of B=1
+    from .memory import activation_elements
+    T = args.seq_len or min(cfg.max_seq_len, 256)
+    fits_in_memory((8 if kind == "gpu" else 12) * cfg.num_parameters() + 8 * sum(activation_elements(cfg, 1, T)),
+                   f"--init-from {args.init_from}: sampling from this model (L={cfg.num_layers} C={cfg.channels} "
+                   f"V={cfg.vocab_size} maxT={cfg.max_seq_len})")
     tok = load_tokenizer(args.tokenizer)
     ids = []
     if args.prompt:

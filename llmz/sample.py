@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             kind = resolve(args.device)
         except (ValueError, RuntimeError) as e:
             raise UsageError(str(e)) from None
-        cfg, tok, prompt_ids = check_sample(args)
+        cfg, tok, prompt_ids = check_sample(args, kind)
         from .checkpoint import load_model
         from .device import Device
         from .layout import Layout

@@ -138,10 +138,10 @@ def test_huge_sparse_files_are_refused_before_their_payload_is_read(tmp_path, li
     with deadline(5), pytest.raises(LlmzError) as e:
         load_model(str(tmp_path / "model.bin"))
     one_line(e, str(tmp_path / "model.bin"))
-    # llmz.sample on it: one line, status 1
+    # llmz.sample on it: refused at start, one line, status 2
     from llmz.sample import main
     with deadline(20):
-        assert main(["--init-from", str(tmp_path / "model.bin"), "--device", "cpu", "--tokens", "1"]) == 1
+        assert main(["--init-from", str(tmp_path / "model.bin"), "--device", "cpu", "--tokens", "1"]) == 2
     # a tokenizer header announcing 2^31 tokens in a 2 KiB file, a state header announcing 2 GiB of JSON
     u = np.zeros(HEADER_INTS, "<u4")
     u[:4] = 20240328, 2, 2**31, 0
