@@ -21,6 +21,7 @@ import sys
 import numpy as np
 
 from llmz.device import ATTENTIONS, KINDS, resolve
+from llmz.errors import UsageError
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -37,9 +38,10 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
           steps_help: str = "optimizer steps") -> argparse.Namespace:
     """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
-                                epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
-                                "each checkpoint measures.")
+    from llmz.args import Parser, check_lesson  # one-line errors, defaults in --help
+    p = Parser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
+               epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
+               "each checkpoint measures.")
     p.add_argument("--device", choices=KINDS, default="auto",
                    help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA simulator")
     p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
@@ -58,7 +60,11 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
                    help="where figures go, named by model, ranks and K (default lessons_out)")
     a = p.parse_args(argv)
     a.lesson = name
-    a.kind = resolve(a.device)
+    check_lesson(a)                    # one line for a bad flag, on every rank (main calls this under the ranks)
+    try:
+        a.kind = resolve(a.device)
+    except (ValueError, RuntimeError) as e:      # --device gpu without one: a flag that cannot be met
+        raise UsageError(str(e)) from None
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
     a.model = a.model or model
@@ -73,32 +79,19 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
 def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
          about_ranks: bool = False, steps_help: str = "optimizer steps") -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
-    ends every rank (llmz.launch.abort_on_error). A bad flag or a device that is not there: one `error:`
-    line and exit 2, as llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
-    from llmz.errors import LlmzError
-    try:
-        a = parse(doc, argv, steps, sim_steps, grad_accum, steps_help)
-    except (LlmzError, ValueError, RuntimeError) as e:
-        if launcher_rank() == 0:                    # under mpiexec every rank gets here: one line is enough
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    from llmz.launch import abort_on_error, init_ranks
+    ends every rank (llmz.launch.abort_on_error). The flags are checked on every rank once the ranks are up
+    (llmz.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
+    llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
+    from llmz.launch import abort_on_error, agree, init_ranks
     ranks = init_ranks()
-    if about_ranks and ranks.world_size == 1:
-        say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without mpiexec): "
-            f"nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
-            f"    mpiexec -n 2 python -m lessons.{a.lesson}")
     with abort_on_error(ranks):
+        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help))
+        if about_ranks and ranks.world_size == 1:
+            say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without "
+                f"mpiexec): nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
+                f"    mpiexec -n 2 python -m lessons.{a.lesson}")
         code = lesson(a, ranks)
     return code
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher (mpiexec) numbered it, before MPI is started; 0 without one."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 # ---- building runs ----------------------------------------------------------------------------------------

@@ -2,4 +2,10 @@
 
 Importing llmz imports no numba: `llmz.device.resolve()` must be able to switch on the CUDA simulator first.
 """
+import sys
+
 __version__ = "0.1.0"
+
+if sys.argv[:1] == ["-m"]:      # `python -m llmz.<command>` is starting: Ctrl-C during its imports is one line
+    from .errors import one_line_interrupts
+    one_line_interrupts()

@@ -28,7 +28,8 @@ CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
+    from .args import Parser
+    p = Parser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--device", choices=KINDS, default="auto")
     a("--model", default="d12")
@@ -184,7 +185,15 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    from .args import check_bench
+    from .launch import abort_on_error
+    with abort_on_error():               # a bad flag or file: one line; Ctrl-C: one line
+        args = build_parser().parse_args(argv)
+        check_bench(args)
+        return bench(args)
+
+
+def bench(args) -> int:
     kind = resolve(args.device)
     from .config import preset
     from .data import write_tokens

@@ -10,14 +10,13 @@ convert between that and the file's order.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .bf16 import bf16_to_f32, f32_to_bf16
 from .config import GPT2Config
-from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size
+from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
 from .errors import LlmzError
+from .files import read_array
 from .layout import Layout
 
 MODEL_MAGIC = 20240326
@@ -46,35 +45,48 @@ def save_model(path: str, config: GPT2Config, params_flat: np.ndarray, layout: L
     atomic_write(path, [header, body])
 
 
+def _open_model(path: str):
+    """Open a model file and check its header against its size -> (file positioned at the parameters,
+    config, version). Nothing of the payload is read."""
+    f, raw, size = read_header(path, "model file")
+    try:
+        header = check_header(path, raw, MODEL_MAGIC, "an llm.c model file")
+        version = int(header[1])
+        if version not in MODEL_VERSIONS:
+            raise LlmzError(f"{path}: unsupported version {version} (expected 3 = fp32 or 5 = bf16)")
+        maxT, V, L, NH, C, Vp = (int(v) for v in header[2:8])
+        try:
+            config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L,
+                                num_heads=NH, channels=C)
+        except ValueError as e:
+            raise LlmzError(f"{path}: bad model header: {e}") from None
+        itemsize = 4 if version == 3 else 2
+        check_size(path, size, HEADER_BYTES + itemsize * config.num_parameters(),
+                   f"a {MODEL_VERSIONS[version]} model with L={L} C={C} NH={NH} V={V} Vp={Vp} maxT={maxT}")
+    except BaseException:
+        f.close()
+        raise
+    return f, config, version
+
+
+def model_config(path: str) -> GPT2Config:
+    """The config of an llm.c model file, from its header checked against its size (reads no parameter)."""
+    f, config, _ = _open_model(path)
+    f.close()
+    return config
+
+
 def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
     """Read an llm.c model file -> (config, parameters as float32 in llm.c's order). Padded wte rows are
-    kept as read. Use `Layout(config, world_size).from_llmc(...)` (or load_model_flat) for llmz's layout."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        raise LlmzError(f"{path}: no such model file") from None
-    except OSError as e:
-        raise LlmzError(f"{path}: cannot read model file ({e.strerror or e})") from None
-    header = check_header(path, raw, MODEL_MAGIC, "an llm.c model file")
-    version = int(header[1])
-    if version not in MODEL_VERSIONS:
-        raise LlmzError(f"{path}: unsupported version {version} (expected 3 = fp32 or 5 = bf16)")
-    maxT, V, L, NH, C, Vp = (int(v) for v in header[2:8])
-    try:
-        config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L,
-                            num_heads=NH, channels=C)
-    except ValueError as e:
-        raise LlmzError(f"{path}: bad model header: {e}") from None
-    itemsize = 4 if version == 3 else 2
-    nparams = config.num_parameters()
-    check_size(path, size, HEADER_BYTES + itemsize * nparams,
-               f"a {MODEL_VERSIONS[version]} model with L={L} C={C} NH={NH} V={V} Vp={Vp} maxT={maxT}")
-    if version == 3:
-        params = np.fromfile(path, dtype="<f4", count=nparams, offset=HEADER_BYTES).astype(np.float32)
-    else:
-        params = bf16_to_f32(np.fromfile(path, dtype="<u2", count=nparams, offset=HEADER_BYTES))
+    kept as read. Use `Layout(config, world_size).from_llmc(...)` (or load_model_flat) for llmz's layout.
+    The header and the size it implies are checked before a byte of the parameters is read."""
+    f, config, version = _open_model(path)
+    with f:
+        nparams = config.num_parameters()
+        if version == 3:
+            params = read_array(f, "<f4", nparams, path, "model file").astype(np.float32, copy=False)
+        else:
+            params = bf16_to_f32(read_array(f, "<u2", nparams, path, "model file"))
     return config, params
 
 

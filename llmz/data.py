@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .errors import LlmzError
+from .files import open_regular, read_array, read_bytes
 
 HEADER_INTS = 256                 # every llm.c header is 256 x 4 bytes
 HEADER_BYTES = 4 * HEADER_INTS
@@ -61,15 +62,16 @@ def atomic_write(path: str, parts: Sequence) -> None:
         raise
 
 
-def read_file(path: str, what: str) -> bytes:
-    """The whole file, or a one-line LlmzError naming it."""
+def read_header(path: str, what: str):
+    """Open a regular file and read its header -> (open file positioned after the header, header bytes,
+    file size from fstat). A file shorter than the header gives the bytes it has (check_header refuses it)."""
+    f, size = open_regular(path, what)
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise LlmzError(f"{path}: no such {what}") from None
-    except OSError as e:
-        raise LlmzError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+        raw = read_bytes(f, min(size, HEADER_BYTES), path, what)
+    except BaseException:
+        f.close()
+        raise
+    return f, raw, size
 
 
 def check_header(path: str, raw: bytes, magic: int, what: str, dtype: str = "<i4") -> np.ndarray:
@@ -108,18 +110,36 @@ def write_tokens(path: str, tokens) -> None:
     atomic_write(path, [header, tokens.astype("<u2")])
 
 
+def _open_tokens(path: str):
+    """Open a token file and check its header against its size -> (file positioned at the tokens, count)."""
+    f, raw, size = read_header(path, "token file")
+    try:
+        header = check_header(path, raw, TOKENS_MAGIC, "an llm.c token file")
+        version, ntok = int(header[1]), int(header[2])
+        if version != TOKENS_VERSION:
+            raise LlmzError(f"{path}: unsupported version {version} (expected {TOKENS_VERSION})")
+        if ntok < 0:
+            raise LlmzError(f"{path}: bad token count {ntok} in the header")
+        check_size(path, size, HEADER_BYTES + 2 * ntok, f"a header announcing {ntok} tokens")
+    except BaseException:
+        f.close()
+        raise
+    return f, ntok
+
+
+def token_count(path: str) -> int:
+    """The number of tokens of an llm.c token file, from its header checked against its size (reads no token)."""
+    f, ntok = _open_tokens(path)
+    f.close()
+    return ntok
+
+
 def read_tokens(path: str, vocab_size: int | None = None) -> np.ndarray:
-    """Read an llm.c token file -> uint16 array, checking magic, version, count, exact size and
-    (if vocab_size is given) that every token is < vocab_size."""
-    raw = read_file(path, "token file")
-    header = check_header(path, raw, TOKENS_MAGIC, "an llm.c token file")
-    version, ntok = int(header[1]), int(header[2])
-    if version != TOKENS_VERSION:
-        raise LlmzError(f"{path}: unsupported version {version} (expected {TOKENS_VERSION})")
-    if ntok < 0:
-        raise LlmzError(f"{path}: bad token count {ntok} in the header")
-    check_size(path, len(raw), HEADER_BYTES + 2 * ntok, f"a header announcing {ntok} tokens")
-    tokens = np.frombuffer(raw, dtype="<u2", offset=HEADER_BYTES, count=ntok).astype(np.uint16)
+    """Read an llm.c token file -> uint16 array, checking magic, version, count and exact size (header
+    against fstat, before reading a token) and (if vocab_size is given) that every token is < vocab_size."""
+    f, ntok = _open_tokens(path)
+    with f:
+        tokens = read_array(f, "<u2", ntok, path, "token file").astype(np.uint16, copy=False)
     if vocab_size is not None and ntok:
         bad = np.flatnonzero(tokens >= vocab_size)
         if bad.size:
@@ -127,6 +147,14 @@ def read_tokens(path: str, vocab_size: int | None = None) -> np.ndarray:
             raise LlmzError(f"{path}: token {tokens[i]} at position {i} is >= vocab size {vocab_size} "
                             f"({bad.size} such tokens; tokenized for another vocabulary?)")
     return tokens
+
+
+def find_token_files(pattern: str) -> list[str]:
+    """The files a --train-data / --val-data glob names, sorted; none is an error."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise LlmzError(f"{pattern}: no file matches")
+    return files
 
 
 # ---- the data loader --------------------------------------------------------------------------------------
@@ -153,9 +181,7 @@ class DataLoader:
         if not 0 <= rank < world_size:
             raise LlmzError(f"rank {rank} is outside a world of size {world_size}")
         if isinstance(pattern_or_paths, str):
-            self.files = sorted(glob.glob(pattern_or_paths))
-            if not self.files:
-                raise LlmzError(f"{pattern_or_paths}: no file matches")
+            self.files = find_token_files(pattern_or_paths)
         else:
             self.files = list(pattern_or_paths)
             if not self.files:
@@ -165,7 +191,7 @@ class DataLoader:
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.shuffle, self.seed = shuffle, seed
         self.stride = world_size * B * T                         # tokens all ranks consume per micro-batch
-        self.num_batches = (self.tokens.size - 1) // self.stride  # n
+        self.num_batches = max((self.tokens.size - 1) // self.stride, 0)  # n
         if self.num_batches == 0:
             names = ", ".join(self.files)
             raise LlmzError(f"{names}: {self.tokens.size} tokens cannot fill one batch of "

@@ -1,6 +1,31 @@
 """One exception type for everything a user can get wrong (bad file, bad flag, config that cannot fit).
 Entry points catch it, print `error: <message>` as one line and exit non-zero; it never shows a traceback."""
+import os
+import sys
+
+INTERRUPTED_EXIT = 130       # exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 
 class LlmzError(Exception):
     """A problem with the user's input, described in one line that names the file or flag at fault."""
+    exit_code = 1
+
+
+class UsageError(LlmzError):
+    """A command line refused at start, before any work (a flag, or a file a flag names): exit status 2,
+    as argparse's own errors."""
+    exit_code = 2
+
+
+def one_line_interrupts() -> None:
+    """Ctrl-C before a command's main() handles it (while its imports run): one line and status 130, not
+    a traceback. llmz/__init__.py calls this for `python -m llmz.<command>`, first thing (this module
+    imports nothing more, so the window left is Python's own start-up)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print("interrupted while starting", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED_EXIT)
+        previous(kind, value, tb)
+    sys.excepthook = hook

@@ -6,7 +6,9 @@ picks the GPU. A single process started without mpiexec is rank 0 of 1.
 
 A rank that dies while the others wait in a collective would leave them hung forever, so every entry point
 runs its main under `abort_on_error`: the failing rank prints one line and calls MPI_Abort, and the
-launcher kills the rest.
+launcher kills the rest. The start-up (the check of the flags, the locks) runs after the ranks are up,
+under `agree`: every rank checks, the outcome is gathered, and a refusal anywhere ends every rank with one
+line from rank 0 and the same exit status, no abort needed.
 
 Importing this module is cheap: mpi4py (which initialises MPI when `mpi4py.MPI` is imported) is imported
 inside `init_ranks` only.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import socket
 import sys
@@ -22,7 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from llmz.errors import LlmzError
+from llmz.errors import INTERRUPTED_EXIT, LlmzError
 
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
@@ -84,8 +87,64 @@ def _mpi_rank_and_size() -> tuple[int, int]:
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
 
 
-def _die(rank: int, world_size: int, line: str | None, code: int) -> None:
-    """Print the error line (once, from the failing rank) and end this rank; with peers, end them too."""
+class AgreedError(LlmzError):
+    """An error raised on every rank alike, after `agree`: rank 0 prints it once and every rank exits with
+    its status; no rank waits for another, so no MPI_Abort is needed."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def agree(ranks: RankInfo, fn, same=None):
+    """Run fn() on every rank (the start-up check of the flags, the files they name, the locks) and agree
+    on the outcome: if it failed on any rank, every rank raises AgreedError with the first failing rank's
+    line ("rank R: ..." when not every rank failed alike). Returns fn()'s result. Ranks other than 0 print
+    nothing while fn runs (--help). same(result): a flat dict that must be equal on every rank (the flags:
+    ranks that disagree on the model would otherwise fail deep inside MPI); where it differs, every rank
+    raises AgreedError naming the first differing key."""
+    result, err = None, None
+    quiet = ranks.rank != 0 and ranks.world_size > 1
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            result = fn()
+    except LlmzError as e:
+        err = (_first_line(e), e.exit_code)
+    except Exception as e:  # noqa: BLE001  (a bug in a check: still one line on every rank, no hang)
+        if os.environ.get("LLMZ_DEBUG") == "1":
+            traceback.print_exc()
+        err = (f"{type(e).__name__}: {_first_line(e)}", 1)
+    errs = [err]
+    if ranks.world_size > 1:
+        from mpi4py import MPI
+        errs = MPI.COMM_WORLD.allgather(err)
+    failed = [(r, e) for r, e in enumerate(errs) if e is not None]
+    if failed:
+        r, (msg, code) = failed[0]
+        alike = len(failed) == len(errs) and all(e == failed[0][1] for _, e in failed)
+        raise AgreedError(msg if alike or ranks.world_size == 1 else f"rank {r}: {msg}", code)
+    if same is not None and ranks.world_size > 1:
+        from mpi4py import MPI
+        mine = same(result)
+        views = MPI.COMM_WORLD.allgather(mine)
+        for r, view in enumerate(views):
+            for key in view:
+                if view[key] != views[0][key]:
+                    raise AgreedError(f"the ranks disagree: rank {r} has {key} {view[key]!r}, rank 0 "
+                                      f"{key} {views[0].get(key)!r}; every rank must get the same flags", 2)
+    return result
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines() or [""]
+    return lines[0] + (" (... LLMZ_DEBUG=1 shows the rest)" if len(lines) > 1 else "")
+
+
+def _die(rank: int, world_size: int, line: str | None, code: int, delay: float = 0.0) -> None:
+    """Print the error line (once, from the failing rank) and end this rank; with peers, end them too.
+    delay: wait that long before printing (a peer interrupted with rank 0 lets rank 0 speak for the job)."""
+    if delay and world_size > 1:
+        time.sleep(delay)
     if line is not None:
         prefix = f"rank {rank}: " if world_size > 1 else ""
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
@@ -104,8 +163,12 @@ def abort_on_error(ranks: RankInfo | None = None):
     """Run a rank's main; any exception ends the whole job with one line `rank R: error: <message>`.
 
     LlmzError prints its message alone, other exceptions `Type: message`; LLMZ_DEBUG=1 adds the traceback.
+    An AgreedError (every rank failed alike at start) is printed by rank 0 alone, and every rank exits.
+    Ctrl-C (KeyboardInterrupt) prints one line, the KeyboardInterrupt's message if the command gave it one
+    (llmz.train: "interrupted at step N; last checkpoint ...") or "interrupted", and exits with 130, as
+    shells do for SIGINT.
     A non-zero sys.exit on one rank also aborts the others (they could be waiting for it), silently:
-    whoever called sys.exit has said why (argparse prints its usage line).
+    whoever called sys.exit has said why.
     """
     try:
         yield
@@ -116,15 +179,26 @@ def abort_on_error(ranks: RankInfo | None = None):
         if isinstance(e.code, int):
             _die(rank, size, None, e.code)
         _die(rank, size, f"error: {e.code}", 1)          # sys.exit("message")
-    except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt too: no peer may be left waiting)
+    except AgreedError as e:
+        rank = ranks.rank if ranks else _mpi_rank_and_size()[0]
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:
+        rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
+        line = str(e) or "interrupted"
+        _die(rank, size, line, INTERRUPTED_EXIT, delay=2 * ABORT_GRACE_S if rank else 0.0)
+    except BaseException as e:  # noqa: BLE001  (no peer may be left waiting)
         rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
         if os.environ.get("LLMZ_DEBUG") == "1":
             traceback.print_exc()
-        lines = str(e).strip().splitlines() or [""]
-        msg = lines[0] + (" (... LLMZ_DEBUG=1 shows the rest)" if len(lines) > 1 else "")
+        msg = _first_line(e)
         if not isinstance(e, LlmzError):
             msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-        _die(rank, size, f"error: {msg}", 1)
+        if isinstance(e, MemoryError):
+            msg += " (out of host memory)"
+        _die(rank, size, f"error: {msg}", getattr(e, "exit_code", 1) if isinstance(e, LlmzError) else 1)
 
 
 def fail_fast(fn):

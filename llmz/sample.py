@@ -2,11 +2,12 @@
 
 Generation as llm.c does it: run the whole window forward, take the logits at the last position, sample
 from the softmax over the first V (real) tokens, append, repeat. The window slides once it is T long.
+The text is printed as it is generated; on a terminal, stderr shows the progress (tokens, elapsed, ETA).
 """
 from __future__ import annotations
 
-import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -14,11 +15,17 @@ from .bf16 import bf16_to_f32
 from .device import KINDS, resolve
 
 
-def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0) -> list[int]:
-    """model: a GPT2 built for B=1; returns the prompt plus n_tokens sampled token ids."""
+def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0,
+             vocab: int | None = None, on_token=None) -> list[int]:
+    """model: a GPT2 built for B=1; returns the prompt plus n_tokens sampled token ids (no prompt: the
+    sampled ids alone, after a start token, llmz.tokenizer.start_id). Samples among the first `vocab` ids
+    (default: the model's V; fewer when the tokenizer knows fewer); temperature 0 takes the most likely.
+    on_token(id): called with each new id as it is drawn (printing, progress)."""
+    from .tokenizer import start_id
     dev, T, V = model.dev, model.T, model.config.vocab_size
+    V = min(V, vocab or V)
     rng = np.random.default_rng(seed)
-    ids = list(prompt_ids) or [tok.eot if tok.eot is not None else tok.encode("\n")[0]]
+    ids = list(prompt_ids) or [start_id(tok)]
     start = len(ids)
     x = dev.zeros((1, T), np.int32)
     window = np.zeros((1, T), np.int32)
@@ -30,45 +37,100 @@ def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperatu
         model.forward(pviews, x)                    # causal: positions after len(ctx) change nothing
         logits = dev.to_host(model.acts.logits[0, len(ctx) - 1, :V])
         logits = (bf16_to_f32(logits) if logits.dtype == np.uint16 else logits).astype(np.float64)
-        z = logits / max(temperature, 1e-6)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        ids.append(int(rng.choice(V, p=p)))
+        if temperature == 0:
+            ids.append(int(np.argmax(logits)))
+        else:
+            z = logits / temperature
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            ids.append(int(rng.choice(V, p=p)))
+        if on_token:
+            on_token(ids[-1])
     return ids if prompt_ids else ids[start:]
 
 
+def build_parser():
+    from .args import Parser
+    p = Parser(prog="python -m llmz.sample", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--init-from", required=True, metavar="FILE.bin", help="the llm.c model file (fp32 or bf16) to sample from "
+      "(required)")
+    a("--prompt", default="", help="text the sample continues (default: '': start from the end-of-text token, "
+      "or a newline, and print the sample alone)")
+    a("--tokens", type=int, default=200, help="tokens to generate")
+    a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file (decodes only: no "
+      "--prompt with one)")
+    a("--device", choices=KINDS, default="auto", help="gpu, cpu or sim (Numba's CUDA simulator); auto: gpu if "
+      "there is one")
+    a("--seq-len", type=int, default=None, help="the window the model sees (default: the model's maxT, at "
+      "most 256)")
+    a("--temperature", type=float, default=1.0, help="divides the logits; 0 = always the most likely token")
+    a("--seed", type=int, default=0, help="the sampling RNG's seed (0 .. 2^32-1)")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmz.sample", description=__doc__.splitlines()[0])
-    p.add_argument("--init-from", required=True, metavar="FILE.bin")
-    p.add_argument("--prompt", default="")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--tokenizer", default="byte")
-    p.add_argument("--device", choices=KINDS, default="auto")
-    p.add_argument("--seq-len", type=int, default=None, help="window (default: model's maxT, at most 256)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    from .errors import LlmzError
+    from .args import check_sample
+    from .errors import INTERRUPTED_EXIT, LlmzError, UsageError
+    done = [0]
     try:
-        kind = resolve(args.device)
+        args = build_parser().parse_args(argv)
+        try:
+            kind = resolve(args.device)
+        except (ValueError, RuntimeError) as e:
+            raise UsageError(str(e)) from None
+        cfg, tok, prompt_ids = check_sample(args, kind)
         from .checkpoint import load_model
         from .device import Device
         from .layout import Layout
         from .model import GPT2, FullParams
-        from .tokenizer import load_tokenizer
-        cfg, llmc = load_model(args.init_from)
-        tok = load_tokenizer(args.tokenizer)
+        from .progress import Progress
+        from .tokenizer import TextStream
+        _, llmc = load_model(args.init_from)
         layout = Layout(cfg, 1)
         dev = Device(kind, np.float32)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)
         T = args.seq_len or min(cfg.max_seq_len, 256)
         model = GPT2(cfg, dev, 1, T)
-        ids = generate(model, FullParams(layout, params), tok, tok.encode(args.prompt).tolist(), args.tokens,
-                       args.seed, args.temperature)
-        print(tok.decode(ids))
-    except (LlmzError, ValueError, RuntimeError) as e:
+        vocab = min(cfg.vocab_size, tok.vocab_size)
+        if vocab < cfg.vocab_size:
+            print(f"note: the model has {cfg.vocab_size} tokens, the tokenizer {tok.vocab_size}: sampling among "
+                  f"the tokenizer's {vocab} only", file=sys.stderr)
+        # the text as it comes: the prompt, then each token's bytes through one UTF-8 decoder
+        stream = TextStream(tok)
+        out = sys.stdout
+        if prompt_ids:
+            out.write("".join(stream.push(i) for i in prompt_ids))
+            out.flush()
+        progress = Progress(args.tokens)
+        live = sys.stderr.isatty() and not out.isatty()     # on a terminal the text itself shows progress
+        last_shown = [0.0]
+
+        def on_token(i):
+            done[0] += 1
+            progress.tick()
+            out.write(stream.push(i))
+            out.flush()
+            if live and (time.perf_counter() - last_shown[0] > 0.5 or done[0] == args.tokens):
+                last_shown[0] = time.perf_counter()
+                sys.stderr.write(f"\rsample: {done[0]}/{args.tokens} tokens, {progress.line()}, "
+                                 f"{done[0] / max(progress.elapsed, 1e-9):.1f} tokens/s ")
+                sys.stderr.flush()
+        generate(model, FullParams(layout, params), tok, prompt_ids, args.tokens, args.seed, args.temperature,
+                 vocab=vocab, on_token=on_token)
+        out.write(stream.end() + "\n")
+        out.flush()
+        if live:
+            sys.stderr.write("\n")
+    except LlmzError as e:
         print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except MemoryError:
+        print(f"error: out of host memory for the model of {args.init_from}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {done[0]} token(s)", file=sys.stderr)
+        return INTERRUPTED_EXIT
     return 0
 
 

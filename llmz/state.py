@@ -36,8 +36,9 @@ import numpy as np
 
 from .checkpoint import load_model
 from .config import GPT2Config
-from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_file
+from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
 from .errors import LlmzError
+from .files import read_array, read_bytes
 from .layout import Layout
 
 STATE_MAGIC = 20261203
@@ -169,38 +170,37 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
 def read_state(path: str) -> TrainingState:
     """Read and check one training-state file: header, JSON, the sizes against the config and world size,
     the exact file length, and the CRC-32 of the JSON and of every array."""
-    raw = read_file(path, "training-state file")
-    header = check_header(path, raw, STATE_MAGIC, "an llmz training-state file", dtype="<u4")
-    version, n, crc = (int(x) for x in header[1:4])
-    if version != STATE_VERSION:
-        raise LlmzError(f"{path}: unsupported version {version} (expected {STATE_VERSION})")
-    if header[4:].any():
-        raise LlmzError(f"{path}: header entries 4..255 must be zero (a newer llmz wrote it?)")
-    if HEADER_BYTES + n > len(raw):
-        raise LlmzError(f"{path}: truncated: {len(raw)} bytes end inside the {n}-byte JSON section")
-    text = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + n]
-    if zlib.crc32(text) != crc:
-        raise LlmzError(f"{path}: the JSON section is corrupt (CRC-32 mismatch)")
-    try:
-        meta = json.loads(bytes(text).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise LlmzError(f"{path}: the JSON section does not parse ({e})") from None
-    config, layout = _check_meta(path, meta)
-    # exact length, then the arrays with their checksums
-    at = _align8(HEADER_BYTES + n)
-    itemsize = np.dtype(DTYPES[meta["precision"]]).itemsize
-    check_size(path, len(raw), at + len(ARRAYS) * layout.shard_total * itemsize,
-               f"a {meta['precision']} state for rank {meta['rank']} of {meta['world_size']} "
-               f"(L={config.num_layers} C={config.channels})")
-    if any(raw[HEADER_BYTES + n:at]):
-        raise LlmzError(f"{path}: the padding after the JSON section is not zero")
-    arrays = {}
-    for a in meta["arrays"]:
-        nbytes = a["count"] * itemsize
-        if zlib.crc32(memoryview(raw)[at:at + nbytes]) != a["crc32"]:
-            raise LlmzError(f"{path}: array {a['name']} is corrupt (CRC-32 mismatch)")
-        arrays[a["name"]] = np.frombuffer(raw, dtype=a["dtype"], count=a["count"], offset=at)
-        at += nbytes
+    f, raw, size = read_header(path, "training-state file")
+    with f:
+        header = check_header(path, raw, STATE_MAGIC, "an llmz training-state file", dtype="<u4")
+        version, n, crc = (int(x) for x in header[1:4])
+        if version != STATE_VERSION:
+            raise LlmzError(f"{path}: unsupported version {version} (expected {STATE_VERSION})")
+        if header[4:].any():
+            raise LlmzError(f"{path}: header entries 4..255 must be zero (a newer llmz wrote it?)")
+        if HEADER_BYTES + n > size:
+            raise LlmzError(f"{path}: truncated: {size} bytes end inside the {n}-byte JSON section")
+        text = read_bytes(f, n, path, "training-state file")
+        if zlib.crc32(text) != crc:
+            raise LlmzError(f"{path}: the JSON section is corrupt (CRC-32 mismatch)")
+        try:
+            meta = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise LlmzError(f"{path}: the JSON section does not parse ({e})") from None
+        config, layout = _check_meta(path, meta)
+        # the exact length from the JSON and fstat, before reading the arrays; then each with its checksum
+        at = _align8(HEADER_BYTES + n)
+        itemsize = np.dtype(DTYPES[meta["precision"]]).itemsize
+        check_size(path, size, at + len(ARRAYS) * layout.shard_total * itemsize,
+                   f"a {meta['precision']} state for rank {meta['rank']} of {meta['world_size']} "
+                   f"(L={config.num_layers} C={config.channels})")
+        if any(read_bytes(f, at - HEADER_BYTES - n, path, "training-state file")):
+            raise LlmzError(f"{path}: the padding after the JSON section is not zero")
+        arrays = {}
+        for a in meta["arrays"]:
+            arrays[a["name"]] = read_array(f, a["dtype"], a["count"], path, "training-state file")
+            if zlib.crc32(arrays[a["name"]].view(np.uint8)) != a["crc32"]:
+                raise LlmzError(f"{path}: array {a['name']} is corrupt (CRC-32 mismatch)")
     return TrainingState(path, meta, layout, arrays)
 
 
@@ -253,14 +253,13 @@ def write_done(folder: str, info: dict) -> None:
     atomic_write(os.path.join(folder, DONE_FILE), [(json.dumps(info) + "\n").encode()])
 
 
-def prune(root: str, keep: int) -> list[str]:
-    """Delete complete checkpoints older than the newest `keep`, and incomplete ones older than the newest
-    complete one (left by a crash). DONE goes first, so a half-deleted folder is never taken as complete."""
-    found = checkpoints(root)
+def prune(root: str, keep: int, newest: int) -> list[str]:
+    """After writing the checkpoint of step `newest`: delete the complete checkpoints older than the newest
+    `keep` of those up to `newest`, and incomplete ones older than `newest` (left by a crash). Checkpoints
+    after `newest` are never touched (they are not this run's). DONE goes first, so a half-deleted folder
+    is never taken as complete."""
+    found = [(s, p, c) for s, p, c in checkpoints(root) if s <= newest]
     complete = [(s, p) for s, p, c in found if c]
-    if not complete:
-        return []
-    newest = complete[-1][0]
     doomed = [p for s, p in complete[:-keep]] if keep > 0 else []
     doomed += [p for s, p, c in found if not c and s < newest]
     for p in doomed:

@@ -9,13 +9,15 @@ All tokenizers share: `vocab_size`, `eot` (the end-of-text id, or None), `encode
 """
 from __future__ import annotations
 
+import codecs
 import os
 
 import numpy as np
 
 from .config import padded_vocab
-from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, read_file
+from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, read_header
 from .errors import LlmzError
+from .files import read_bytes
 
 TOKENIZER_MAGIC = 20240328
 GPT2_EOT = 50256          # llm.c's rule for version 1 files: they are GPT-2's, eot 50256
@@ -135,35 +137,68 @@ def write_tokenizer(path: str, table: list[bytes], eot_token: int | None) -> Non
 def read_tokenizer(path: str) -> tuple[list[bytes], int | None]:
     """Read an llm.c tokenizer file -> (token bytes by id, eot token or None).
     Version 1 has no eot field; like llm.c we take 50256 when it holds GPT-2's 50257 tokens, else None."""
-    raw = read_file(path, "tokenizer file")
-    header = check_header(path, raw, TOKENIZER_MAGIC, "an llm.c tokenizer file", dtype="<u4")
-    version, vocab = int(header[1]), int(header[2])
-    if version not in (1, 2):
-        raise LlmzError(f"{path}: unsupported version {version} (expected 1 or 2)")
-    if vocab <= 0:
-        raise LlmzError(f"{path}: bad vocab size {vocab} in the header")
-    if version == 2:
-        eot = int(header[3])
-        if eot >= vocab:
-            raise LlmzError(f"{path}: eot token {eot} is outside the vocabulary of {vocab}")
-    else:
-        eot = GPT2_EOT if vocab == GPT2_EOT + 1 else None
-    # the body: per token one length byte, then its bytes
-    table, at = [], HEADER_BYTES
+    f, raw, size = read_header(path, "tokenizer file")
+    with f:
+        header = check_header(path, raw, TOKENIZER_MAGIC, "an llm.c tokenizer file", dtype="<u4")
+        version, vocab = int(header[1]), int(header[2])
+        if version not in (1, 2):
+            raise LlmzError(f"{path}: unsupported version {version} (expected 1 or 2)")
+        if vocab <= 0:
+            raise LlmzError(f"{path}: bad vocab size {vocab} in the header")
+        if version == 2:
+            eot = int(header[3])
+            if eot >= vocab:
+                raise LlmzError(f"{path}: eot token {eot} is outside the vocabulary of {vocab}")
+        else:
+            eot = GPT2_EOT if vocab == GPT2_EOT + 1 else None
+        # every token takes 2..256 bytes (a length byte, 1..255 bytes): the size bounds the body before any
+        # of it is read
+        body = size - HEADER_BYTES
+        if body < 2 * vocab:
+            raise LlmzError(f"{path}: truncated: {size} bytes cannot hold the {vocab} tokens the header "
+                            f"announces (at least {HEADER_BYTES + 2 * vocab})")
+        if body > 256 * vocab:
+            raise LlmzError(f"{path}: wrong size: {size} bytes, more than {vocab} tokens of at most 255 bytes "
+                            f"can fill ({HEADER_BYTES + 256 * vocab})")
+        raw = read_bytes(f, body, path, "tokenizer file")
+    # the body: per token one length byte, then its bytes (offsets below are within the body)
+    table, at = [], 0
     for i in range(vocab):
-        if at >= len(raw):
-            raise LlmzError(f"{path}: truncated: {len(raw)} bytes end inside token {i} of {vocab}")
-        n = raw[at]
+        n = raw[at] if at < body else None
         if n == 0:
             raise LlmzError(f"{path}: token {i} has length 0 (every token is at least one byte)")
-        if at + 1 + n > len(raw):
-            raise LlmzError(f"{path}: truncated: {len(raw)} bytes end inside token {i} of {vocab}")
+        if n is None or at + 1 + n > body:
+            raise LlmzError(f"{path}: truncated: {size} bytes end inside token {i} of {vocab}")
         table.append(raw[at + 1:at + 1 + n])
         at += 1 + n
-    if at != len(raw):
-        raise LlmzError(f"{path}: wrong size: {len(raw)} bytes, the {vocab} tokens end at byte {at} "
-                        f"({len(raw) - at} extra bytes)")
+    if at != body:
+        raise LlmzError(f"{path}: wrong size: {size} bytes, the {vocab} tokens end at byte {HEADER_BYTES + at} "
+                        f"({body - at} extra bytes)")
     return table, eot
+
+
+def start_id(tok) -> int:
+    """The token a sample without a prompt starts from: end-of-text where the tokenizer has one, else the
+    token that is a newline, else 0. Needs no encoding (a tokenizer file only decodes)."""
+    if tok.eot is not None:
+        return tok.eot
+    table = tok.token_table()
+    return table.index(b"\n") if b"\n" in table else 0
+
+
+class TextStream:
+    """Ids -> text, one id at a time (printing a sample as it is generated): each token's bytes go through
+    one incremental UTF-8 decoder, since a character may span two tokens; the pieces join to decode(ids)."""
+
+    def __init__(self, tok):
+        self.table = tok.token_table()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self.decoder.decode(self.table[token])
+
+    def end(self) -> str:
+        return self.decoder.decode(b"", final=True)
 
 
 def load_tokenizer(path_or_name: str):

@@ -6,7 +6,7 @@ With no flags it trains a small byte-level model on the shipped Shakespeare and 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
 import sys
@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from .args import TRACE_STAGES
 from .bf16 import bf16_to_f32
 from .device import ATTENTIONS, KINDS, MATMULS, resolve
 
@@ -26,11 +27,12 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m llmz.train", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .args import Parser
+    from .config import PRESETS
+    p = Parser(prog="python -m llmz.train", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--device", choices=KINDS, default="auto", help="gpu: Numba kernels on CuPy memory; cpu: NumPy "
-      "references; sim: the kernels in Numba's CUDA simulator (tiny models only)")
+      "references; sim: the kernels in Numba's CUDA simulator (tiny models only); auto: gpu if there is one")
     a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32", help="fp64 only on cpu and sim; bf16: "
       "parameters, gradients and activations in bf16, fp32 master weights, m, v, layernorm statistics and "
       "losses, stochastic rounding in AdamW and in ZeRO-2's accumulation")
@@ -43,49 +45,67 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
-    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="0: every rank keeps everything; 1: the "
+      "optimizer state sharded; 2: the gradients sharded too, reduce-scattered during backward; 3: the "
+      "parameters sharded too, each block all-gathered just before it runs")
     a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
       "(stage 3: and gather each block's parameters only when it runs, no prefetch)")
-    a("--model", default=None, help="preset: tiny, small, d2, d4, d6, d12, ... (default: small on cpu, "
-      "d6 on gpu)")
-    a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file")
-    a("--max-seq-len", type=int, default=None, help="model's maxT for a preset (default 1024)")
+    a("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: small on cpu, d6 on gpu; "
+      "the file's model with --init-from or --resume)")
+    a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file (default: a "
+      "freshly initialised --model)")
+    a("--max-seq-len", type=int, default=None, help="model's maxT for a preset (default: 1024)")
     a("--vocab-size", type=int, default=None, help="model's V for a preset (default: the tokenizer's; "
-      "50257 gives GPT-2's shapes with any token file)")
-    a("--seed", type=int, default=1337)
-    a("--train-data", default=os.path.join(DEFAULT_DATA, "shakespeare_train.bin"), metavar="GLOB")
-    a("--val-data", default=os.path.join(DEFAULT_DATA, "shakespeare_val.bin"), metavar="GLOB")
+      "50257 gives GPT-2's shapes with any token file, and samples are then drawn among the tokenizer's "
+      "tokens only)")
+    a("--seed", type=int, default=1337, help="initialisation, data order with --shuffle, sampling, bf16 "
+      "rounding (0 .. 2^32-1)")
+    a("--train-data", default=os.path.join(DEFAULT_DATA, "shakespeare_train.bin"), metavar="GLOB",
+      help="llm.c token files (default: the shipped data/shakespeare_train.bin)")
+    a("--val-data", default=os.path.join(DEFAULT_DATA, "shakespeare_val.bin"), metavar="GLOB",
+      help="llm.c token files for the validation loss; '' for none (default: the shipped "
+      "data/shakespeare_val.bin)")
     a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
-    a("--shuffle", action="store_true", help="shuffle batch order each epoch (off: llm.c's order)")
-    a("--batch-size", "-b", type=int, default=None, help="B per rank (default 16 cpu, 32 gpu)")
-    a("--seq-len", "-t", type=int, default=None, help="T (default 64 cpu, 256 gpu)")
+    a("--shuffle", action="store_true", help="shuffle the batch order every epoch (llm.c keeps the files' "
+      "order)")
+    a("--batch-size", "-b", type=int, default=None, help="B per rank (default: 16 on cpu, 32 on gpu)")
+    a("--seq-len", "-t", type=int, default=None, help="T (default: 64 on cpu, 256 on gpu)")
     a("--grad-accum", type=int, default=1, help="K micro-steps per optimizer step")
-    a("--steps", type=int, default=None, help="optimizer steps (default 1500 cpu, 2000 gpu)")
-    a("--lr", type=float, default=1e-3)
-    a("--warmup-steps", type=int, default=20)
-    a("--lr-schedule", choices=("cosine", "constant"), default="cosine")
-    a("--final-lr-frac", type=float, default=0.1)
-    a("--weight-decay", type=float, default=0.0)
-    a("--beta1", type=float, default=0.9)
-    a("--beta2", type=float, default=0.95)
-    a("--eps", type=float, default=1e-8)
-    a("--grad-clip", type=float, default=1.0, help="0 = off")
-    a("--val-every", type=int, default=250, help="0 = only at the end")
-    a("--val-batches", type=int, default=10)
-    a("--sample-every", type=int, default=0, help="0 = only at the end")
-    a("--sample-tokens", type=int, default=200)
-    a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step")
-    a("--save", default=None, metavar="FILE.bin", help="write the final model (llm.c format)")
-    a("--trace", default=None, metavar="FILE.json", help="stages 2 and 3: Chrome trace (+ PNG) of one step")
+    a("--steps", type=int, default=None, help="optimizer steps, counted from the start of training "
+      "(default: 1500 on cpu, 2000 on gpu)")
+    a("--lr", type=float, default=1e-3, help="peak learning rate of AdamW")
+    a("--warmup-steps", type=int, default=20, help="steps of linear warmup to --lr")
+    a("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="after warmup: cosine decay to "
+      "--final-lr-frac x --lr, or constant")
+    a("--final-lr-frac", type=float, default=0.1, help="where the cosine decay ends, as a fraction of --lr")
+    a("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay (2-D weights only)")
+    a("--beta1", type=float, default=0.9, help="AdamW's first-moment decay")
+    a("--beta2", type=float, default=0.95, help="AdamW's second-moment decay")
+    a("--eps", type=float, default=1e-8, help="AdamW's epsilon in m / (sqrt(v) + eps); > 0")
+    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 = off")
+    a("--max-loss", type=float, default=None, help="stop, naming the step, when the training loss exceeds "
+      "this: the run diverged (default: 3 ln V, three times the loss of a uniform guess)")
+    a("--val-every", type=int, default=250, help="validation loss every N steps and at the last; 0 = only "
+      "at the last")
+    a("--val-batches", type=int, default=10, help="batches per validation loss (at most the val data's)")
+    a("--sample-every", type=int, default=0, help="print a sample every N steps; 0 = only at the end")
+    a("--sample-tokens", type=int, default=200, help="tokens per printed sample; 0 = no samples")
+    a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
+      "new run starts the file, a resumed run continues it (default: no log)")
+    a("--save", default=None, metavar="FILE.bin", help="write the final model, llm.c format (default: not "
+      "saved)")
+    a("--trace", default=None, metavar="FILE.json", help=f"ZeRO stage {'/'.join(map(str, TRACE_STAGES))}: "
+      "Chrome trace (+ PNG) of one step (default: none)")
     a("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
-      "(model.bin, state_rank<r>.bin, DONE)")
+      "(model.bin, state_rank<r>.bin, DONE); DIR is locked while the run lives (default: none)")
     a("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps and after the "
       "last (0 = after the last only)")
-    a("--keep", type=int, default=0, metavar="K", help="keep the newest K complete checkpoints (0 = all)")
+    a("--keep", type=int, default=0, metavar="K", help="keep the newest K complete checkpoints, deleting only "
+      "older ones (0 = all)")
     a("--resume", nargs="?", const="latest", default=None, metavar="DIR/step_N|latest",
       help="continue from a checkpoint: a step folder, or 'latest' (the newest complete one in "
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
-      "another world size or ZeRO stage re-shards the optimizer state")
+      "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
     a("--quiet", action="store_true", help="no per-step lines")
     return p
 
@@ -103,16 +123,20 @@ def defaults_for(args, kind: str) -> None:
         args.steps = 2000 if gpu else 1500
 
 
-def parse_args(argv=None, kind: str | None = None):
+def parse_args(argv=None, kind: str | None = None, world_size: int = 1):
     """Flags -> (args, device kind): parsed, the device resolved (before numba is imported: the simulator
-    needs that) unless `kind` is given, the device-dependent defaults filled in, and checked."""
+    needs that) unless `kind` is given, the device-dependent defaults filled in, and every flag checked
+    (llmz.args.check_train: a UsageError, one line, for anything wrong). world_size: the job's ranks."""
+    from .args import check_train
+    from .errors import UsageError
     args = build_parser().parse_args(argv)
-    kind = kind or resolve(args.device)
+    if kind is None:
+        try:
+            kind = resolve(args.device)
+        except (ValueError, RuntimeError) as e:
+            raise UsageError(str(e)) from None
     defaults_for(args, kind)
-    check_args(args)
-    if args.matmul == "cublas" and kind != "gpu":
-        from .errors import LlmzError
-        raise LlmzError(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
+    check_train(args, kind, world_size)
     return args, kind
 
 
@@ -120,27 +144,10 @@ def default_model(kind: str) -> str:
     return "d6" if kind == "gpu" else "small"
 
 
-def check_args(args) -> None:
-    from .errors import LlmzError
-    for name in ("batch_size", "seq_len", "grad_accum", "steps"):
-        if getattr(args, name) <= 0:
-            raise LlmzError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.checkpoint_every < 0 or args.keep < 0:
-        raise LlmzError("--checkpoint-every and --keep must be >= 0")
-    if (args.checkpoint_every or args.keep) and not args.checkpoint_dir:
-        raise LlmzError("--checkpoint-every and --keep need --checkpoint-dir")
-    if args.resume == "latest" and not args.checkpoint_dir:
-        raise LlmzError("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
-    if args.lr < 0 or args.grad_clip < 0 or not 0 <= args.beta1 < 1 or not 0 <= args.beta2 < 1:
-        raise LlmzError("--lr, --grad-clip must be >= 0 and --beta1, --beta2 in [0, 1)")
-    if args.precision == "fp64" and args.device == "gpu":
-        raise LlmzError("--precision fp64 runs on --device cpu or sim only")
-
-
 # the flags that shape the training trajectory: saved in every checkpoint, compared on resume
 RESUME_FLAGS = ("precision", "zero_stage", "batch_size", "seq_len", "grad_accum", "steps", "lr",
                 "warmup_steps", "lr_schedule", "final_lr_frac", "weight_decay", "beta1", "beta2", "eps",
-                "grad_clip", "seed", "shuffle")
+                "grad_clip", "seed", "shuffle", "train_data")
 # what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
 GPU_RESERVE_BYTES = 1 << 30
 
@@ -197,8 +204,10 @@ class Run:
                           attention=args.attention, tf32=not args.no_tf32)
         self.comm = comm.make_communicator(args.comm, ranks, self.dev)
         self.tok = tokenizer.load_tokenizer(args.tokenizer)
-        # model: a checkpoint to resume, an llm.c file, or a preset
+        # model: a checkpoint to resume, an llm.c file, or a preset (llmz.args.check_train has checked
+        # that the flags describe it, that the tokenizer fits it and that T fits its maxT)
         self.resumed = self.find_checkpoint()
+        self.last_checkpoint = self.resumed.path if self.resumed else None     # the newest good one
         if self.resumed:
             cfg = self.resumed.config
             self.layout = layout.Layout(cfg, self.world_size)
@@ -214,10 +223,17 @@ class Run:
                                 max_seq_len=args.max_seq_len or 1024)
             self.layout = layout.Layout(cfg, self.world_size)
             params = layout.init_parameters(self.layout, args.seed)
-        if cfg.vocab_size < self.tok.vocab_size:
-            raise LlmzError(f"tokenizer has {self.tok.vocab_size} tokens, the model only {cfg.vocab_size}")
-        if args.seq_len > cfg.max_seq_len:
-            raise LlmzError(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
+        if cfg.vocab_size < self.tok.vocab_size or args.seq_len > cfg.max_seq_len:
+            raise LlmzError(f"the model (V={cfg.vocab_size}, maxT={cfg.max_seq_len}) does not fit the tokenizer "
+                            f"({self.tok.vocab_size} tokens) or -t {args.seq_len}")
+        # samples: among the tokens the tokenizer can decode (a model wider than its tokenizer, e.g.
+        # --vocab-size 50257 on byte data, would otherwise sample ids it cannot print)
+        self.sample_vocab = min(cfg.vocab_size, self.tok.vocab_size)
+        if self.sample_vocab < cfg.vocab_size and args.sample_tokens:
+            self.notes.append(f"note: the model has {cfg.vocab_size} tokens, the tokenizer {self.tok.vocab_size}: "
+                              f"samples are drawn among the tokenizer's {self.tok.vocab_size} only")
+        # divergence: a loss this far above a uniform guess's (ln V) means the run has left training
+        self.max_loss = args.max_loss or 3 * math.log(cfg.vocab_size)
         self.config = cfg
         B, T = args.batch_size, args.seq_len
         self.train_loader = data.DataLoader(args.train_data, B, T, self.rank, self.world_size,
@@ -249,6 +265,9 @@ class Run:
         self.loss_sum = self.dev.zeros(1, np.float64)    # the step's summed per-position losses, on device
         self.prepared = None                             # the next batch's host side (prepare_batch)
         self.mean_buf = self.dev.zeros(1, np.float64)    # mean_over_ranks' all-reduce (no allocation a step)
+        from .kernels.norm import NORM_BLOCKS
+        self.finite_sq = self.dev.zeros(1, np.float64)   # all_finite's sum of squares, and its scratch
+        self.finite_scratch = self.dev.zeros(NORM_BLOCKS, np.float64)
         # the micro-step and the update replay as CUDA graphs where every call in them can be captured:
         # not with MPI's host-staged collectives, not while tracing (host timestamps). bf16 as well: AdamW's
         # and ZeRO-2's stochastic rounding read their step from device memory (zero.set_scalars,
@@ -263,7 +282,6 @@ class Run:
     # ---- checkpoints (llmz.state) ----------------------------------------------------------------------
     def find_checkpoint(self):
         """The checkpoint --resume names, read and checked (every rank reads every state file), or None."""
-        from .errors import LlmzError
         from .state import latest_checkpoint, load_checkpoint
         a = self.args
         if not a.resume:
@@ -274,20 +292,9 @@ class Run:
             if path is None:
                 self.notes.append(f"resume: no complete checkpoint in {a.checkpoint_dir}; starting afresh")
                 return None
-        if a.init_from and a.resume != "latest":
-            raise LlmzError(f"--init-from {a.init_from} and --resume {path} both give the starting "
-                            "parameters; choose one")
         if a.init_from:     # `--init-from F --resume --checkpoint-dir D`: one command for launch and relaunch
             self.notes.append(f"resume: {path} found, so --init-from {a.init_from} is not used")
-        ckpt = load_checkpoint(path)
-        if a.model:
-            from .config import preset
-            want = preset(a.model, vocab_size=a.vocab_size or self.tok.vocab_size,
-                          max_seq_len=a.max_seq_len or 1024)
-            if want != ckpt.config:
-                raise LlmzError(f"{path}: the checkpoint's model is {ckpt.config}, but --model {a.model} "
-                                f"gives {want}")
-        return ckpt
+        return load_checkpoint(path)
 
     def restore(self, ckpt) -> None:
         """Continue from `ckpt`: this rank's m and v re-sharded for this layout, the step, the data position,
@@ -307,13 +314,41 @@ class Run:
                           f"{meta['zero_stage']}, {meta['precision']})" + (f"; changed: {', '.join(changed)}"
                                                                           if changed else ""))
 
+    def all_finite(self) -> bool:
+        """Are the parameters and the optimizer state (bf16: the fp32 master; m, v) all finite, on every rank?
+        One reduction on the device: the sum of their squares, accumulated in float64 (llmz.kernels.norm), is
+        finite exactly when every value is (a float32 or bf16 value squares to at most 1.2e77; an fp64 one
+        beyond 1e154 counts as non-finite: such a model has diverged anyway), summed over the ranks (m and v
+        are sharded), read once."""
+        from .kernels.norm import norm_squared
+        z = self.zero
+        params = z.param_shard if z.stage == 3 else z.params       # stage 3: my slice; else all of them
+        arrays = [a for a in (params, z.master, z.m, z.v) if a is not None]
+        for i, x in enumerate(arrays):
+            norm_squared(self.dev, self.finite_sq, x, self.finite_scratch, accumulate=i > 0)
+        z.comm_waits_for_compute()
+        self.comm.all_reduce(self.finite_sq, op="sum")
+        z.compute_waits_for_comm()
+        return math.isfinite(float(self.dev.to_host(self.finite_sq)[0]))
+
+    def refuse_non_finite(self, step: int, what: str) -> None:
+        """Before writing `what` after `step` optimizer steps: stop, on every rank alike, if anything is
+        not finite (nothing non-finite is ever saved)."""
+        if not self.all_finite():
+            from .launch import AgreedError
+            raise AgreedError(f"step {step - 1}: the update left non-finite parameters or optimizer state; "
+                              f"{what} not written; last good checkpoint: {self.last_checkpoint or 'none'}", 1)
+
     def save_checkpoint(self, root: str, step: int) -> str:
         """Checkpoint after `step` optimizer steps: DIR/step_NNNNNN/{model.bin, state_rank<r>.bin, DONE}.
-        Every file is written to a temporary name and renamed; DONE comes last, after a barrier, so a
-        folder without it is ignored by --resume. Returns the folder."""
+        Only from finite parameters and optimizer state. Every file is written to a temporary name and
+        renamed; DONE comes last, after a barrier, so a folder without it is ignored by --resume. --keep
+        then deletes complete checkpoints older than the newest K up to this one (never later ones).
+        Returns the folder."""
         from . import state
         from .checkpoint import save_model
         folder = state.step_dir(root, step)
+        self.refuse_non_finite(step, f"checkpoint {folder}")
         if self.rank == 0:
             state.prepare_step_dir(folder, self.world_size)
         self.comm.barrier()                    # the folder exists and holds no stale DONE
@@ -332,8 +367,46 @@ class Run:
             state.write_done(folder, {"step": step, "world_size": self.world_size,
                                       "zero_stage": self.args.zero_stage})
             if self.args.keep:
-                state.prune(root, self.args.keep)
+                state.prune(root, self.args.keep, newest=step)
+        self.last_checkpoint = folder
         return folder
+
+    def save_model(self, path: str, step: int) -> None:
+        """--save: the model file, from finite parameters only (rank 0 writes it)."""
+        from .checkpoint import save_model
+        self.refuse_non_finite(step, f"--save {path}")
+        host = self.host_params()
+        if self.rank == 0:
+            save_model(path, self.config, host, self.layout, dtype=self.model_dtype())
+
+    def diverged(self, step: int, loss: float, grad_norm: float | None = None) -> str | None:
+        """Why the run must stop at `step`, or None: a non-finite loss or gradient norm, or a loss above
+        self.max_loss (--max-loss; default 3 ln V: three times what a uniform guess scores)."""
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            return f"step {step}: non-finite loss {loss}" + (f" or grad norm {grad_norm}" if grad_norm is not None
+                                                             else "")
+        if loss > self.max_loss:
+            bound = "--max-loss" if self.args.max_loss else "3 ln V; see --max-loss"
+            return f"step {step}: loss {loss:.6g} is above {self.max_loss:.4g} ({bound}): the run diverged"
+        return None
+
+    def forget_checkpoint_of(self, step: int) -> str:
+        """The run stopped at `step` because of what the parameters after `step` updates gave: if this run
+        checkpointed those parameters, its DONE goes (the folder stays, for a look; --resume skips it).
+        Returns the words for the error line."""
+        from . import state
+        folder = state.step_dir(self.args.checkpoint_dir, step) if self.args.checkpoint_dir else None
+        if folder is None or folder != self.last_checkpoint or (self.resumed and self.resumed.path == folder):
+            return f"last good checkpoint: {self.last_checkpoint or 'none'}"
+        if self.rank == 0:
+            done = os.path.join(folder, state.DONE_FILE)
+            if os.path.exists(done):
+                os.unlink(done)
+        self.comm.barrier()
+        previous = [p for s, p, ok in state.checkpoints(self.args.checkpoint_dir) if ok and s < step]
+        self.last_checkpoint = previous[-1] if previous else (self.resumed.path if self.resumed else None)
+        return (f"{folder}, which holds these parameters, is marked incomplete (DONE removed); last good "
+                f"checkpoint: {self.last_checkpoint or 'none'}")
 
     # ---- one optimizer step ------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -431,7 +504,12 @@ class Run:
         from .sample import generate
         if not hasattr(self, "sampler"):
             self.sampler = GPT2(self.config, self.dev, 1, self.args.seq_len)   # B=1: cheap activations
-        return generate(self.sampler, self.zero.pviews, self.tok, prompt_ids, n_tokens, seed)
+        return generate(self.sampler, self.zero.pviews, self.tok, prompt_ids, n_tokens, seed,
+                        vocab=self.sample_vocab)
+
+    def sample_text(self) -> str:
+        """A sample of --sample-tokens tokens from an empty prompt, decoded, with the run's next seed."""
+        return self.tok.decode(self.sample([], self.args.sample_tokens, self.sample_seed()))
 
 
 def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | None:
@@ -446,119 +524,184 @@ def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | Non
     return tokens_per_s * flops / (peak.get(precision, peak["fp32"]) * 1e12)
 
 
+def take_locks(args, locks: list) -> list[str]:
+    """Rank 0, at start: lock --checkpoint-dir and --log for this run (llmz.lock); appends each Lock taken
+    to `locks` (released at the end, also on failure). Returns the notes of stale locks taken over."""
+    from .errors import LlmzError, UsageError
+    from .lock import Lock
+    notes = []
+    for path, what in ((args.checkpoint_dir and os.path.join(args.checkpoint_dir, "llmz.lock"),
+                        f"checkpoint folder {args.checkpoint_dir}"),
+                       (args.log and args.log + ".lock", f"log {args.log}")):
+        if path:
+            lock = Lock(path, what)
+            try:
+                note = lock.acquire()
+            except UsageError:
+                raise
+            except LlmzError as e:              # refused at start, like a flag: exit status 2
+                raise UsageError(str(e)) from None
+            locks.append(lock)
+            if note:
+                notes.append(note)
+    return notes
+
+
 def train(args, kind: str, ranks) -> dict:
+    """Train as the flags say, on this rank. The end of a run goes in the order that loses nothing: the
+    last checkpoint, --save, the log's end record and close, and only then the sample (its failure can no
+    longer cost anything). A non-finite or diverged step stops the run, naming the step, on every rank."""
+    from .errors import LlmzError
+    from .files import JsonLog
+    from .launch import AgreedError, agree
     from .memory import table
+    from .progress import Progress, fmt_duration
     r0 = ranks.rank == 0
     say = print if r0 else (lambda *a, **k: None)
     # who generates the printed samples: rank 0, and at ZeRO stage 3 every rank (generating gathers the
     # parameters, a collective; each rank draws the same tokens from the same seed, rank 0 prints them)
     samples = r0 or args.zero_stage == 3
-    run = Run(args, kind, ranks)
-    c = run.config
-    say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
-        f"ZeRO stage {args.zero_stage}")
-    say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
-        f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")
-    say(f"batch: B={args.batch_size} T={args.seq_len} K={args.grad_accum} x {ranks.world_size} ranks = "
-        f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
-    say(table(run.memory))
-    for note in run.notes:
-        say(note)
-    start = run.start_step
-    if start >= args.steps:
-        say(f"nothing to train: the checkpoint is at step {start}, --steps is {args.steps}")
-    log = open(args.log + ".tmp", "w") if (args.log and r0) else None   # noqa: SIM115  (closed at the end)
-    if log:
-        log.write(json.dumps({"event": "start", "config": c.to_dict(), "args": vars(args),
-                              "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
-                              "resumed_from": run.resumed.path if run.resumed else None}) + "\n")
-    first_loss = last = None
-    val_losses = []
-    t_total = 0.0
-    trace_step = min(start + 1, args.steps - 1)
-    every = args.checkpoint_every
-    for step in range(start, args.steps):
-        last_step = step == args.steps - 1
-        if args.val_every and run.val_loader and (step % args.val_every == 0 or last_step) \
-                or (last_step and run.val_loader):
-            vl = run.val_loss(args.val_batches)
-            val_losses.append((step, vl))
-            say(f"step {step:5d} | val loss {vl:.4f}")
+    locks: list = []
+    log = run = None
+    step = None
+    try:
+        notes = agree(ranks, lambda: take_locks(args, locks) if r0 else [])
+        run = Run(args, kind, ranks)
+        c = run.config
+        say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
+            f"ZeRO stage {args.zero_stage}")
+        say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
+            f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")
+        say(f"batch: B={args.batch_size} T={args.seq_len} K={args.grad_accum} x {ranks.world_size} ranks = "
+            f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
+        say(table(run.memory))
+        for note in notes + run.notes:
+            say(note)
+        start = step = run.start_step
+        if start >= args.steps:
+            say(f"nothing to train: the checkpoint is at step {start}, --steps is {args.steps}")
+        if r0 and args.log:
+            log = JsonLog(args.log, resume_step=start if run.resumed else None)
+            if log.dropped:
+                say(f"resume: {args.log}: dropped {log.dropped} record(s) an earlier attempt wrote past step {start}")
+            log.write({"event": "start", "config": c.to_dict(), "args": vars(args),
+                       "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
+                       "resumed_from": run.resumed.path if run.resumed else None})
+
+        def stop(why: str):
+            """End the run at `step` on every rank alike (the loss is the same on all): one line."""
+            where = run.forget_checkpoint_of(step)
             if log:
-                log.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
-        if args.sample_every and step > 0 and step % args.sample_every == 0 and samples:
-            say("---\n" + run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed())) + "\n---")
-        if args.trace and step == trace_step:
-            run.tracer.start()
-        run.dev.synchronize()
-        t0 = time.perf_counter()
-        out = run.step(step)
-        run.dev.synchronize()
-        dt = time.perf_counter() - t0
-        if args.trace and step == trace_step:
-            run.tracer.stop(args.trace)
-        if step > start:
-            t_total += dt
-        loss = out["loss"]
-        if not math.isfinite(loss) or not math.isfinite(out["grad_norm"]):
-            from .errors import LlmzError
-            raise LlmzError(f"step {step}: non-finite loss {loss} or grad norm {out['grad_norm']}; stopping")
-        first_loss = loss if first_loss is None else first_loss
-        last = loss
-        tps = run.tokens_per_step / dt
-        util = mfu(tps, c, args.seq_len, run.dev, args.precision)
-        rec = {"step": step, "loss": loss, "lr": run.opt.lr_at(step), "grad_norm": out["grad_norm"],
-               "ms": dt * 1e3, "tokens_per_s": tps}
-        if util is not None:
-            rec["mfu"] = util
-        if log:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        if not args.quiet:
-            say(f"step {step:5d}/{args.steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | norm {out['grad_norm']:.3f}"
-                f" | {dt * 1e3:8.1f} ms | {tps:9.0f} tok/s" + (f" | MFU {util * 100:.1f}%" if util else ""))
-        # a checkpoint after this step: every N steps and after the last (only good steps get here)
-        done = step + 1
-        if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
-            folder = run.save_checkpoint(args.checkpoint_dir, done)
-            say(f"step {step:5d} | checkpoint {folder}")
+                log.write({"event": "stopped", "step": step, "reason": why})
+            raise AgreedError(f"{why}; stopped; {where}", 1)
+
+        first_loss = last = None
+        val_losses = []
+        step_times = []
+        progress = Progress(args.steps, start)
+        trace_step = min(start + 1, args.steps - 1)
+        every = args.checkpoint_every
+        for step in range(start, args.steps):
+            last_step = step == args.steps - 1
+            if args.val_every and run.val_loader and (step % args.val_every == 0 or last_step) \
+                    or (last_step and run.val_loader):
+                vl = run.val_loss(args.val_batches)
+                val_losses.append((step, vl))
+                say(f"step {step:5d} | val loss {vl:.4f}")
+                if log:
+                    log.write({"step": step, "val_loss": vl})
+                if not math.isfinite(vl):
+                    stop(f"step {step}: non-finite validation loss {vl}")
+            if args.sample_every and args.sample_tokens and step > 0 and step % args.sample_every == 0 and samples:
+                say("---\n" + run.sample_text() + "\n---")
+            if args.trace and step == trace_step:
+                run.tracer.start()
+            run.dev.synchronize()
+            t0 = time.perf_counter()
+            out = run.step(step)
+            run.dev.synchronize()
+            dt = time.perf_counter() - t0
+            if args.trace and step == trace_step:
+                run.tracer.stop(args.trace)
+            step_times.append(dt)
+            progress.tick()
+            loss = out["loss"]
+            why = run.diverged(step, loss, out["grad_norm"])
+            if why:
+                stop(why)
+            first_loss = loss if first_loss is None else first_loss
+            last = loss
+            tps = run.tokens_per_step / dt
+            util = mfu(tps, c, args.seq_len, run.dev, args.precision)
+            rec = {"step": step, "loss": loss, "lr": run.opt.lr_at(step), "grad_norm": out["grad_norm"],
+                   "ms": dt * 1e3, "tokens_per_s": tps, "elapsed_s": progress.elapsed, "eta_s": progress.eta}
+            if util is not None:
+                rec["mfu"] = util
             if log:
-                log.write(json.dumps({"event": "checkpoint", "step": done, "path": folder}) + "\n")
-    timed = max(args.steps - start - 1, 1)
-    summary = {"first_loss": first_loss, "final_loss": last, "val_losses": val_losses,
-               "mean_ms": t_total * 1e3 / timed,
-               "tokens_per_s": run.tokens_per_step * timed / t_total if t_total else None}
-    if samples and run.val_loader:
-        text = run.tok.decode(run.sample([], args.sample_tokens, run.sample_seed()))
-        say("--- sample ---\n" + text + "\n--------------")
-    if args.save:
-        from .checkpoint import save_model
-        host = run.host_params()
-        if r0:
-            save_model(args.save, c, host, run.layout, dtype=run.model_dtype())
+                log.write(rec)
+            if not args.quiet:
+                say(f"step {step:5d}/{args.steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | norm {out['grad_norm']:.3f}"
+                    f" | {dt * 1e3:8.1f} ms | {tps:9.0f} tok/s" + (f" | MFU {util * 100:.1f}%" if util else "")
+                    + f" | {progress.line()}")
+            # a checkpoint after this step: every N steps and after the last (only good steps get here)
+            done = step + 1
+            if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
+                folder = run.save_checkpoint(args.checkpoint_dir, done)
+                say(f"step {step:5d} | checkpoint {folder}")
+                if log:
+                    log.write({"event": "checkpoint", "step": done, "path": folder})
+        step = max(args.steps, start)
+        # the mean step time leaves out the first step (compiles, warms caches) unless it is the only one
+        timed = step_times[1:] or step_times
+        summary = {"first_loss": first_loss, "final_loss": last, "val_losses": val_losses,
+                   "mean_ms": sum(timed) * 1e3 / len(timed) if timed else None,
+                   "tokens_per_s": run.tokens_per_step * len(timed) / sum(timed) if timed else None,
+                   "elapsed_s": progress.elapsed}
+        if args.save:
+            run.save_model(args.save, step)
             say(f"saved {args.save}")
-    if log:
-        log.write(json.dumps({"event": "end", **summary}) + "\n")
-        log.close()
-        os.replace(args.log + ".tmp", args.log)
-    vals = ", ".join(f"{s}: {v:.4f}" for s, v in val_losses)
-    if first_loss is not None:
-        say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; "
-            f"{summary['mean_ms']:.1f} ms/step")
+        if log:
+            log.write({"event": "end", **summary})
+            log.close()
+        vals = ", ".join(f"{s}: {v:.4f}" for s, v in val_losses)
+        if first_loss is not None:
+            said = f"{summary['mean_ms']:.1f} ms/step" + (" (one step, with warm-up)" if len(step_times) == 1 else "")
+            say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; {said}; "
+                f"{fmt_duration(progress.elapsed)} in all")
+    except KeyboardInterrupt:
+        last_ck = (run.last_checkpoint if run else None) or ("none" if args.checkpoint_dir else
+                                                             "none (no --checkpoint-dir)")
+        where = "before training began" if step is None else f"at step {step}"
+        raise KeyboardInterrupt(f"interrupted {where}; last checkpoint {last_ck}"
+                                + (f"; log {args.log}" if log else "")) from None
+    finally:
+        if log:
+            with contextlib.suppress(LlmzError):    # already failing: the first error is the one to report
+                log.close()
+        for lock in locks:
+            lock.release()
     run.comm.barrier()
+    # only now, with everything written, the sample
+    if samples and args.sample_tokens:
+        say("--- sample ---\n" + run.sample_text() + "\n--------------")
     return summary
 
 
 def main(argv=None) -> int:
+    """The ranks first, then the flags: every rank checks them and all agree (llmz.launch.agree), so a bad
+    flag on any rank ends the whole job with one line, exit status 2, and no rank left waiting."""
+    from .args import flag
     from .errors import LlmzError
+    from .launch import abort_on_error, agree, init_ranks
     try:
-        args, kind = parse_args(argv)
-    except (LlmzError, ValueError, RuntimeError) as e:
+        ranks = init_ranks()
+    except LlmzError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .launch import abort_on_error, init_ranks
-    ranks = init_ranks()
-    with abort_on_error(ranks):
+    with abort_on_error(ranks), np.errstate(all="ignore"):   # overflow is caught as a non-finite loss
+        args, kind = agree(ranks, lambda: parse_args(argv, world_size=ranks.world_size),
+                           same=lambda result: {**{flag(k): v for k, v in vars(result[0]).items()},
+                                                "--device (resolved)": result[1]})
         train(args, kind, ranks)
     return 0
 

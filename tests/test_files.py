@@ -143,7 +143,7 @@ def test_bad_tokenizer_file_fails_with_one_line_naming_it(tmp_path, case, expect
     elif case == "extra":
         body += b"\x00"
     elif case == "zero_length":
-        body = b"\x01a\x00\x01d"
+        body = b"\x01a\x00\x01d\x01e"
     write_raw_tokenizer(path, header, body)
     with pytest.raises(LlmzError) as e:
         read_tokenizer(str(path))

@@ -307,7 +307,9 @@ def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_pa
     assert latest_checkpoint(str(ck)) == step_dir(ck, 6) and out["final_loss"] is not None
 
 
-def test_a_non_finite_loss_stops_with_its_step_and_writes_no_checkpoint_for_it(tmp_path, monkeypatch):
+def test_a_non_finite_loss_stops_with_its_step_and_unmarks_the_checkpoint_that_gave_it(tmp_path, monkeypatch):
+    """Step 3's loss comes from the parameters after 3 updates, which checkpoint step_000003 holds: the run
+    stops naming step 3, and that checkpoint loses its DONE, so --resume picks step_000002."""
     from llmz.train import Run
     real_step = Run.step
 
@@ -316,11 +318,12 @@ def test_a_non_finite_loss_stops_with_its_step_and_writes_no_checkpoint_for_it(t
         return {**out, "loss": float("nan")} if step == 3 else out
     monkeypatch.setattr(Run, "step", step_nan_at_3)
     ck = tmp_path / "ck"
-    with pytest.raises(LlmzError, match="^step 3: non-finite loss nan"):
+    with pytest.raises(LlmzError, match="^step 3: non-finite loss nan") as e:
         train_here(in_process_args(tmp_path, "--steps", "6", "--checkpoint-dir", str(ck),
                                    "--checkpoint-every", "1"))
-    assert [s for s, _, done in checkpoints(str(ck)) if done] == [1, 2, 3]
-    assert load_checkpoint(latest_checkpoint(str(ck))).step == 3
+    assert f"last good checkpoint: {step_dir(ck, 2)}" in str(e.value) and "\n" not in str(e.value)
+    assert [(s, done) for s, _, done in checkpoints(str(ck))] == [(1, True), (2, True), (3, False)]
+    assert load_checkpoint(latest_checkpoint(str(ck))).step == 2
 
 
 def test_keep_leaves_the_newest_k_complete_checkpoints(tmp_path):
@@ -352,7 +355,7 @@ def test_one_command_line_starts_afresh_then_resumes_then_has_nothing_to_do(tmp_
 def test_resume_refuses_another_model_and_both_resume_and_init_from(tmp_path):
     ck = tmp_path / "ck"
     train_here(in_process_args(tmp_path, "--steps", "1", "--checkpoint-dir", str(ck)))
-    with pytest.raises(LlmzError, match="the checkpoint's model is"):
+    with pytest.raises(LlmzError, match="do not describe the model of checkpoint"):
         train_here(in_process_args(tmp_path, "--steps", "2", "--resume", step_dir(ck, 1), "--model", "d2"))
     with pytest.raises(LlmzError, match="choose one"):
         train_here(in_process_args(tmp_path, "--steps", "2", "--resume", step_dir(ck, 1),

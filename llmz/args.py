@@ -1,0 +1,355 @@
+"""One check of the command line for every llmz command (train, sample, bench, the lessons): each flag is
+finite and in range, the flags agree with each other and with the files they name, outputs can be
+written; anything else is refused in one line (`error: ...`, exit status 2) before any work it would waste.
+
+The commands build their parsers with `Parser` (argparse's own errors become that one line too, and every
+flag's help ends with its default) and call `check_train`, `check_sample`, `check_bench` or `check_lesson`.
+Under mpiexec every rank checks after the ranks are up (llmz.launch.agree), so a bad flag on any rank ends
+the whole job at once.
+
+What the checks read: headers only (a model file's config, a token file's count, a checkpoint's DONE),
+and the tokenizer. Everything is read through llmz.files: never a FIFO, never more than a header announces.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import numpy as np
+
+from .errors import LlmzError, UsageError
+
+# the ZeRO stages whose step --trace records (llmz.trace: each bucket's reduce-scatter against backward);
+# a stage that gets traced joins this tuple
+TRACE_STAGES = (2, 3)
+SEED_LIMIT = 2**32          # seeds are 32-bit: numpy's generators take any, the bf16 rounding hash uses 32 bits
+# the largest value a parameter can hold in each training precision (an update of lr moves it by ~lr)
+DTYPE_MAX = {"fp32": float(np.finfo(np.float32).max), "bf16": float(np.finfo(np.float32).max),
+             "fp64": float(np.finfo(np.float64).max)}
+DTYPE_TINY = {"fp32": float(np.finfo(np.float32).tiny), "bf16": float(np.finfo(np.float32).tiny),
+              "fp64": float(np.finfo(np.float64).tiny)}
+
+
+# ---- parser -------------------------------------------------------------------------------------------------
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default: ' (default: X)' unless the help already has one '(default...)',
+    ' (default: off)' for a switch. A flag whose default is None says what it is in its own help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.const is True:
+            return text + " (default: off)"
+        return text if action.default is None else text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: a bad flag raises UsageError (exit 2) instead of printing the usage."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=HelpFormatter, **kw)
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def fail(message: str):
+    raise UsageError(message)
+
+
+# ---- single values --------------------------------------------------------------------------------------------
+def need(args, names, ok, what: str) -> None:
+    """Refuse the first of `names` (attributes of args; None = not given, skipped) whose value fails ok()."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            fail(f"{flag(name)} {v}: must be a finite number")
+        if not ok(v):
+            fail(f"{flag(name)} {v}: must be {what}")
+
+
+def positive(args, *names) -> None:
+    need(args, names, lambda v: v > 0, "positive")
+
+
+def non_negative(args, *names) -> None:
+    need(args, names, lambda v: v >= 0, ">= 0")
+
+
+def check_seed(args) -> None:
+    need(args, ["seed"], lambda v: 0 <= v < SEED_LIMIT, f"in 0 .. {SEED_LIMIT - 1} (a 32-bit seed)")
+
+
+def check_preset(args) -> None:
+    from .config import PRESETS
+    if args.model is not None and args.model not in PRESETS:
+        fail(f"--model {args.model!r}: not a preset; choose one of {', '.join(PRESETS)}")
+
+
+# ---- files the flags name ------------------------------------------------------------------------------------
+def load_tokenizer(name: str):
+    from .tokenizer import load_tokenizer
+    try:
+        return load_tokenizer(name)
+    except LlmzError as e:
+        fail(f"--tokenizer: {e}")
+
+
+def checkpoint_step(folder: str) -> tuple[int, str]:
+    """(step, model file) of a complete checkpoint folder, from its DONE marker; refuses an incomplete one."""
+    from .state import DONE_FILE, MODEL_FILE, STEP_DIR
+    if not os.path.isdir(folder):
+        fail(f"--resume {folder}: no such checkpoint folder")
+    done = os.path.join(folder, DONE_FILE)
+    if not os.path.isfile(done):
+        fail(f"--resume {folder}: incomplete checkpoint (no {DONE_FILE} marker; a crash while writing?)")
+    m = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
+    try:
+        with open(done) as f:
+            step = json.loads(f.read(4096)).get("step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if not isinstance(step, int):
+        step = int(m.group(1)) if m else None
+    if step is None:
+        fail(f"--resume {folder}: {DONE_FILE} does not say the step, nor does the folder's name")
+    return step, os.path.join(folder, MODEL_FILE)
+
+
+def check_model_flags(args, cfg, source: str) -> None:
+    """--model, --vocab-size, --max-seq-len given together with a model from a file (--init-from, --resume)
+    must describe that model; refused when they do not (they would be ignored otherwise)."""
+    from .config import preset
+    given = [f"{flag(k)} {getattr(args, k)}" for k in ("model", "vocab_size", "max_seq_len")
+             if getattr(args, k) is not None]
+    if not given:
+        return
+    want = cfg
+    if args.model is not None:
+        want = preset(args.model, vocab_size=args.vocab_size or cfg.vocab_size,
+                      max_seq_len=args.max_seq_len or cfg.max_seq_len)
+    if (want.num_layers, want.num_heads, want.channels) != (cfg.num_layers, cfg.num_heads, cfg.channels) or \
+            (args.vocab_size or cfg.vocab_size) != cfg.vocab_size or \
+            (args.max_seq_len or cfg.max_seq_len) != cfg.max_seq_len:
+        fail(f"{' '.join(given)} {'does' if len(given) == 1 else 'do'} not describe the model of {source} (L={cfg.num_layers} NH={cfg.num_heads} "
+             f"C={cfg.channels} V={cfg.vocab_size} maxT={cfg.max_seq_len}); drop them: the file gives the model")
+
+
+def batches_in(pattern: str, name: str, B: int, T: int, world_size: int) -> int:
+    """Batch positions a --train-data / --val-data glob holds (headers only): at least one, else refused."""
+    from .data import find_token_files, token_count
+    try:
+        files = find_token_files(pattern)
+        total = sum(token_count(p) for p in files)
+    except LlmzError as e:
+        fail(f"{flag(name)}: {e}")
+    stride = world_size * B * T
+    n = max((total - 1) // stride, 0)
+    if n == 0:
+        more = "; --val-data '' skips validation" if name == "val_data" else ""
+        fail(f"{flag(name)} {pattern}: {total} tokens cannot fill one batch of world size x B x T + 1 = "
+             f"{world_size} x {B} x {T} + 1 = {stride + 1} tokens{more}")
+    return n
+
+
+def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int) -> None:
+    """cpu and sim: the bytes a rank will hold (llmz.memory's formula, plus the float64 copy the parameters
+    start from and the float32 values of a model file) must fit in the memory available; refused in one line
+    otherwise, before allocating."""
+    from .memory import predicted
+    c = layout.config
+    fits_in_memory(sum(predicted(layout, stage, B, T, value_bytes).values()) + 12 * layout.total,
+                   f"this configuration does not fit in memory: L={c.num_layers} C={c.channels} V={c.vocab_size} "
+                   f"maxT={c.max_seq_len} at B={B} T={T}", " per rank; lower -b, -t, --max-seq-len or the model")
+
+
+def fits_in_memory(need_bytes: int, what: str, advice: str = "") -> None:
+    from .files import available_memory, fmt_bytes
+    free = available_memory()
+    if free is not None and need_bytes > free:
+        fail(f"{what} needs about {fmt_bytes(need_bytes)} of memory, {fmt_bytes(free)} is available{advice}")
+
+
+def check_outputs(outputs: dict[str, str | None], folders: dict[str, str | None]) -> None:
+    """Output files and folders: distinct, creatable (parent folders are made now), not a folder/file
+    where the other is needed."""
+    from .files import prepare_folder, prepare_output
+    named = {f: os.path.abspath(p) for f, p in outputs.items() if p}
+    seen: dict[str, str] = {}
+    for f, p in named.items():
+        if p in seen:
+            fail(f"{seen[p]} and {f} name the same file {outputs[f]}")
+        seen[p] = f
+    for f, p in folders.items():
+        if p:
+            prepare_folder(p, f)
+    for f, p in outputs.items():
+        if p:
+            prepare_output(p, f)
+
+
+# ---- python -m llmz.train ------------------------------------------------------------------------------------
+def check_train(args, kind: str, world_size: int = 1) -> None:
+    """Every flag of llmz.train, after the device defaults are filled in (llmz.train.defaults_for).
+    world_size: ranks in the job (batches per file are counted for it). Any refusal is a UsageError."""
+    try:
+        _check_train(args, kind, world_size)
+    except UsageError:
+        raise
+    except LlmzError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_train(args, kind: str, world_size: int) -> None:
+    from .config import preset
+    # numbers
+    positive(args, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
+             "max_loss")
+    non_negative(args, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every", "keep",
+                 "lr", "weight_decay", "grad_clip")
+    need(args, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
+    need(args, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
+    check_seed(args)
+    check_preset(args)
+    tiny = DTYPE_TINY[args.precision]
+    need(args, ["eps"], lambda v: v >= tiny, f"at least {tiny:.3g}, the smallest normal {args.precision} number "
+         f"(AdamW divides by sqrt(v) + eps, and v is 0 where a parameter never had a gradient)")
+    if args.lr >= DTYPE_MAX[args.precision]:
+        fail(f"--lr {args.lr}: beyond the largest {args.precision} value ({DTYPE_MAX[args.precision]:.3g}); every "
+             f"update would overflow the parameters")
+    # device
+    if args.precision == "fp64" and kind == "gpu":
+        fail("--precision fp64 runs on --device cpu or sim only")
+    if args.matmul == "cublas" and kind != "gpu":
+        fail(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
+    if args.trace and args.zero_stage not in TRACE_STAGES:
+        fail(f"--trace records how ZeRO stages {' and '.join(map(str, TRACE_STAGES))} overlap their collectives "
+             f"with compute; at --zero-stage {args.zero_stage} there is nothing to trace; use --zero-stage "
+             f"{TRACE_STAGES[0]}")
+    # checkpoints: where to write them, where to resume from
+    if (args.checkpoint_every or args.keep) and not args.checkpoint_dir:
+        fail("--checkpoint-every and --keep need --checkpoint-dir")
+    if args.resume == "latest" and not args.checkpoint_dir:
+        fail("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
+    resume = args.resume
+    if resume == "latest":
+        from .state import latest_checkpoint
+        try:
+            resume = latest_checkpoint(args.checkpoint_dir)
+        except LlmzError as e:
+            fail(f"--checkpoint-dir: {e}")
+    if resume and args.init_from and args.resume != "latest":
+        fail(f"--init-from {args.init_from} and --resume {resume} both give the starting parameters; choose one")
+    # the model: from a checkpoint, an llm.c file, or a preset
+    from .checkpoint import model_config
+    start = 0
+    try:
+        if resume:
+            start, model_file = checkpoint_step(resume)
+            cfg = model_config(model_file)
+            check_model_flags(args, cfg, f"checkpoint {resume}")
+        elif args.init_from:
+            cfg = model_config(args.init_from)
+            check_model_flags(args, cfg, f"--init-from {args.init_from}")
+    except UsageError:
+        raise
+    except LlmzError as e:
+        fail(f"{'--resume' if resume else '--init-from'}: {e}")
+    tok = load_tokenizer(args.tokenizer)
+    if not resume and not args.init_from:
+        if args.vocab_size is not None and args.vocab_size < tok.vocab_size:
+            fail(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens")
+        cfg = preset(args.model or ("d6" if kind == "gpu" else "small"),
+                     vocab_size=args.vocab_size or tok.vocab_size, max_seq_len=args.max_seq_len or 1024)
+    if cfg.vocab_size < tok.vocab_size:
+        fail(f"the tokenizer ({args.tokenizer}) has {tok.vocab_size} tokens, the model only {cfg.vocab_size}")
+    if args.seq_len > cfg.max_seq_len:
+        fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
+    # data: enough tokens for one batch on every rank
+    batches_in(args.train_data, "train_data", args.batch_size, args.seq_len, world_size)
+    if args.val_data:
+        batches_in(args.val_data, "val_data", args.batch_size, args.seq_len, world_size)
+    # memory (the GPU's is checked against the card, llmz.train.check_fits)
+    if kind != "gpu":
+        from .layout import Layout
+        check_host_memory(Layout(cfg, world_size), args.zero_stage, args.batch_size, args.seq_len,
+                          {"fp32": 4, "fp64": 8, "bf16": 2}[args.precision])
+    # a checkpoint folder that already holds later checkpoints of another run
+    if args.checkpoint_dir:
+        from .state import checkpoints
+        try:
+            later = [s for s, _, done in checkpoints(args.checkpoint_dir) if done and s > start]
+        except LlmzError as e:
+            fail(f"--checkpoint-dir: {e}")
+        if later:
+            what = f"resuming from step {start}" if resume else "starting afresh"
+            fail(f"--checkpoint-dir {args.checkpoint_dir} holds complete checkpoints past step {start} (up to "
+                 f"step {max(later)}) of another run; {what}, this run's checkpoints would mix with them (and "
+                 f"--resume latest would pick theirs): choose another --checkpoint-dir, or --resume latest "
+                 f"to continue that run")
+    # outputs last: their folders are created once everything else is known to be good
+    check_outputs({"--save": args.save, "--log": args.log, "--trace": args.trace},
+                  {"--checkpoint-dir": args.checkpoint_dir})
+
+
+# ---- python -m llmz.sample -----------------------------------------------------------------------------------
+def check_sample(args, kind: str = "cpu"):
+    """Every flag of llmz.sample -> (model config, tokenizer, prompt ids) for the run; reads the model's header
+    only. Any refusal is a UsageError."""
+    try:
+        return _check_sample(args, kind)
+    except UsageError:
+        raise
+    except LlmzError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_sample(args, kind: str):
+    from .checkpoint import model_config
+    positive(args, "seq_len")
+    non_negative(args, "tokens", "temperature")
+    check_seed(args)
+    try:
+        cfg = model_config(args.init_from)
+    except LlmzError as e:
+        fail(f"--init-from: {e}")
+    if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
+        fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
+    # memory: the file's values, their copy in llmz's layout, the device's copy (cpu, sim), activations of B=1
+    from .memory import activation_elements
+    T = args.seq_len or min(cfg.max_seq_len, 256)
+    fits_in_memory((8 if kind == "gpu" else 12) * cfg.num_parameters() + 8 * sum(activation_elements(cfg, 1, T)),
+                   f"--init-from {args.init_from}: sampling from this model (L={cfg.num_layers} C={cfg.channels} "
+                   f"V={cfg.vocab_size} maxT={cfg.max_seq_len})")
+    tok = load_tokenizer(args.tokenizer)
+    ids = []
+    if args.prompt:
+        try:
+            ids = tok.encode(args.prompt).tolist()
+        except LlmzError as e:
+            fail(f"--prompt: {e}")
+        if ids and max(ids) >= cfg.vocab_size:
+            fail(f"--prompt encodes to token {max(ids)}, beyond the model's vocabulary of {cfg.vocab_size} "
+                 f"(another tokenizer than the model's?)")
+    return cfg, tok, ids
+
+
+# ---- python -m llmz.bench and the lessons ---------------------------------------------------------------------
+def check_bench(args) -> None:
+    positive(args, "batch_size", "seq_len", "steps", "vocab_size")
+    non_negative(args, "warmup")
+    check_preset(args)
+
+
+def check_lesson(args) -> None:
+    positive(args, "steps", "batch_size", "seq_len", "grad_accum")
+    check_preset(args)

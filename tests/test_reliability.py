@@ -1,0 +1,469 @@
+"""Nothing lost, nothing hung (issue 19), class by class: readers refuse non-regular files without
+blocking and check a header against the file's size and the memory before reading any payload; nothing
+non-finite is ever saved and a diverging run stops naming the step; the end of a run loses nothing when
+something fails after the loop; --log lives under its own name and a resume continues it; --keep never
+deletes a later checkpoint; a checkpoint folder or log in use is locked; Ctrl-C is one line; a bad flag
+on one rank of mpiexec ends the job within seconds. Runs are tiny and on the CPU, mostly in this process."""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llmz.files
+from llmz.checkpoint import load_model, model_config
+from llmz.config import preset
+from llmz.data import HEADER_INTS, read_tokens, token_count, write_tokens
+from llmz.errors import LlmzError, UsageError
+from llmz.launch import RankInfo
+from llmz.lock import Lock
+from llmz.state import DONE_FILE, checkpoints, latest_checkpoint, load_checkpoint, prune, read_state, step_dir
+from llmz.tokenizer import read_tokenizer, write_tokenizer
+from mpirun import REPO, run_mpi
+
+HERE = RankInfo(0, 1, 0, 1, "here")
+TINY = ["--device", "cpu", "--model", "tiny", "-b", "2", "-t", "8", "--val-batches", "1", "--sample-tokens", "4",
+        "--quiet"]
+
+
+def args_of(*flags, base=TINY):
+    from llmz.train import parse_args
+    return parse_args([*base, *map(str, flags)], kind="cpu")[0]
+
+
+def train_here(*flags, base=TINY) -> dict:
+    from llmz.train import train
+    return train(args_of(*flags, base=base), "cpu", HERE)
+
+
+def one_line(e, start: str = "") -> str:
+    msg = str(e.value if hasattr(e, "value") else e)
+    assert "\n" not in msg and msg.startswith(start), msg
+    return msg
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail the test instead of hanging when the block outlasts `seconds` (a blocking open or read)."""
+    def expired(signum, frame):
+        raise AssertionError(f"still running after {seconds} s: blocked?")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_cli(*argv, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, capture_output=True, text=True,
+                          check=False, timeout=timeout)
+
+
+# ---- readers: non-regular files, oversized headers ---------------------------------------------------------
+READERS = {"model": load_model, "model header": model_config, "tokens": read_tokens, "token count": token_count,
+           "tokenizer": read_tokenizer, "state": read_state}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+@pytest.mark.parametrize("reader", list(READERS))
+def test_every_reader_refuses_a_fifo_a_device_or_a_folder_at_once_naming_it(tmp_path, reader, kind):
+    path = {"fifo": tmp_path / "fifo", "device": Path("/dev/zero"), "folder": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    with deadline(5), pytest.raises(LlmzError) as e:
+        READERS[reader](str(path))
+    msg = one_line(e, str(path))
+    assert ("is a folder" if kind == "folder" else "not a regular file") in msg
+
+
+@pytest.mark.parametrize("flag", ["--init-from", "--train-data", "--val-data", "--tokenizer"])
+def test_a_fifo_named_by_a_flag_is_refused_at_start_without_blocking(tmp_path, flag):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with deadline(5), pytest.raises(UsageError) as e:
+        args_of(flag, fifo)
+    assert "FIFO, not a regular file" in one_line(e)
+
+
+def test_a_fifo_as_a_ranks_state_file_is_refused_without_blocking(tmp_path):
+    ck = tmp_path / "ck"
+    train_here("--steps", 1, "--checkpoint-dir", ck)
+    state = Path(step_dir(ck, 1)) / "state_rank0.bin"
+    state.unlink()
+    os.mkfifo(state)
+    with deadline(10), pytest.raises(LlmzError) as e:
+        train_here("--steps", 2, "--resume", step_dir(ck, 1))
+    assert "FIFO, not a regular file" in one_line(e, str(state))
+
+
+@pytest.fixture
+def little_memory(monkeypatch):
+    """The machine has 64 MiB to spare: a payload larger than that is refused before it is read."""
+    monkeypatch.setattr(llmz.files, "available_memory", lambda: 64 << 20)
+
+
+def sparse(path: Path, header: np.ndarray, size: int) -> None:
+    """A file of `size` bytes, the header first and zeros after, which takes no disk space (truncate)."""
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+    os.truncate(path, size)
+
+
+def test_huge_sparse_files_are_refused_before_their_payload_is_read(tmp_path, little_memory):
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # a token file of 2^31 - 1 tokens (4 GiB, sparse): its count is read at once, its tokens refused
+    h = np.zeros(HEADER_INTS, "<i4")
+    n = 2**31 - 1
+    h[:3] = 20240520, 1, n
+    sparse(tmp_path / "tokens.bin", h, 1024 + 2 * n)
+    assert token_count(str(tmp_path / "tokens.bin")) == n
+    with deadline(5), pytest.raises(LlmzError) as e:
+        read_tokens(str(tmp_path / "tokens.bin"))
+    assert "needs 4.00 GiB of memory" in one_line(e, str(tmp_path / "tokens.bin"))
+    # a model file of about a billion fp32 parameters: the header loads, the parameters are refused
+    cfg = preset("d24", vocab_size=50257)
+    h[:8] = 20240326, 3, cfg.max_seq_len, cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.channels, \
+        cfg.padded_vocab_size
+    sparse(tmp_path / "model.bin", h, 1024 + 4 * cfg.num_parameters())
+    assert model_config(str(tmp_path / "model.bin")) == cfg
+    with deadline(5), pytest.raises(LlmzError) as e:
+        load_model(str(tmp_path / "model.bin"))
+    one_line(e, str(tmp_path / "model.bin"))
+    # llmz.sample on it: refused at start, one line, status 2
+    from llmz.sample import main
+    with deadline(20):
+        assert main(["--init-from", str(tmp_path / "model.bin"), "--device", "cpu", "--tokens", "1"]) == 2
+    # a tokenizer header announcing 2^31 tokens in a 2 KiB file, a state header announcing 2 GiB of JSON
+    u = np.zeros(HEADER_INTS, "<u4")
+    u[:4] = 20240328, 2, 2**31, 0
+    sparse(tmp_path / "tok.bin", u, 2048)
+    with pytest.raises(LlmzError, match="cannot hold the 2147483648 tokens"):
+        read_tokenizer(str(tmp_path / "tok.bin"))
+    u[:4] = 20261203, 1, 2**31, 0
+    sparse(tmp_path / "state.bin", u, 4096)
+    with pytest.raises(LlmzError, match="end inside the 2147483648-byte JSON section"):
+        read_state(str(tmp_path / "state.bin"))
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before      # KiB on Linux
+    assert grew < 200 * 1024, f"peak memory grew by {grew} KiB"
+
+
+# ---- nothing non-finite is saved; a diverging run stops --------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, None])
+def test_the_finite_check_sees_one_non_finite_value_anywhere(kdev, rng, dtype, bad):
+    """The one reduction behind every save (llmz.kernels.norm's sum of squares, float64): non-finite exactly
+    when a value is, in float32 and bf16 (uint16 bits), on the kernel device (simulator here, GPU there)."""
+    from llmz.bf16 import f32_to_bf16
+    from llmz.kernels.norm import NORM_BLOCKS, norm_squared
+    x = (rng.normal(size=701) * 1e3).astype(np.float32)
+    x[:8] = 3.0e38                                   # float32's edge: its square still fits a float64
+    if bad is not None:
+        x[rng.integers(x.size)] = bad
+    host = f32_to_bf16(x) if dtype == np.uint16 else x
+    out, scratch = kdev.zeros(1, np.float64), kdev.zeros(NORM_BLOCKS, np.float64)
+    norm_squared(kdev, out, kdev.asarray(host), scratch)
+    assert np.isfinite(kdev.to_host(out)[0]) == (bad is None)
+
+
+@pytest.mark.parametrize("precision, where", [("fp32", "params"), ("fp64", "m"), ("bf16", "master"),
+                                              ("fp32", "v")])
+def test_a_checkpoint_or_save_is_never_written_from_non_finite_values(tmp_path, precision, where):
+    from llmz.train import Run
+    args = args_of("--precision", precision, "--steps", 2, "--zero-stage", 1)
+    run = Run(args, "cpu", HERE)
+    run.step(0)
+    assert run.all_finite()
+    buf = getattr(run.zero, where)
+    host = run.dev.to_host(buf).copy()
+    host[len(host) // 3] = 0xFF80 if host.dtype == np.uint16 else np.nan     # bf16 -inf, or NaN
+    run.dev.copy_from_host(buf, host)
+    assert not run.all_finite()
+    with pytest.raises(LlmzError) as e:
+        run.save_checkpoint(str(tmp_path / "ck"), 1)
+    assert "non-finite" in one_line(e, "step 0:")
+    assert not (tmp_path / "ck").exists() or not checkpoints(str(tmp_path / "ck"))
+    with pytest.raises(LlmzError):
+        run.save_model(str(tmp_path / "m.bin"), 1)
+    assert not (tmp_path / "m.bin").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, stage", [("fp32", 0), ("bf16", 0), ("bf16", 2)])
+def test_on_the_gpu_a_checkpoint_is_never_written_from_non_finite_values(tmp_path, precision, stage):
+    """The same on the GPU, after steps replayed as CUDA graphs (stage 0) or eager (stage 2): the check reads
+    the buffers the graphs write."""
+    from llmz.train import Run, parse_args
+    args, kind = parse_args(["--device", "gpu", "--model", "d2", "-b", "4", "-t", "64", "--steps", "3",
+                             "--precision", precision, "--zero-stage", str(stage), "--quiet"])
+    run = Run(args, kind, HERE)
+    for step in range(2):
+        run.step(step)
+    assert run.all_finite()
+    assert Path(run.save_checkpoint(str(tmp_path / "ck"), 2), DONE_FILE).exists()
+    host = run.dev.to_host(run.zero.params).copy()
+    host[len(host) // 2] = 0x7FC0 if host.dtype == np.uint16 else np.nan
+    run.dev.copy_from_host(run.zero.params, host)
+    assert not run.all_finite()
+    with pytest.raises(LlmzError, match="non-finite"):
+        run.save_checkpoint(str(tmp_path / "ck"), 3)
+    assert [s for s, _, done in checkpoints(str(tmp_path / "ck")) if done] == [2]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")         # numpy's overflow warnings: the run diverges
+def test_a_diverging_run_stops_naming_the_step_and_keeps_no_checkpoint_of_the_bad_parameters(tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    with pytest.raises(LlmzError) as e:
+        train_here("--lr", 1e6, "--warmup-steps", 0, "--steps", 6, "--checkpoint-dir", ck, "--checkpoint-every", 1,
+                   "--save", tmp_path / "m.bin", "--log", log)
+    msg = one_line(e, "step 1: ")
+    assert "diverged" in msg or "non-finite" in msg
+    assert "marked incomplete" in msg and "last good checkpoint: none" in msg
+    assert [done for _, _, done in checkpoints(str(ck))] == [False]     # step_000001 holds the bad parameters
+    assert not (tmp_path / "m.bin").exists()
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert recs[-1]["event"] == "stopped" and recs[-1]["step"] == 1
+
+
+def test_the_divergence_bound_is_three_times_a_uniform_guess_or_max_loss():
+    from llmz.train import Run
+    run = Run(args_of("--steps", 1), "cpu", HERE)
+    assert run.max_loss == pytest.approx(3 * np.log(256))
+    assert run.diverged(4, 16.0) is None and "step 4: loss 17" in run.diverged(4, 17.0)
+    assert "non-finite" in run.diverged(4, 1.0, float("inf"))
+    assert Run(args_of("--steps", 1, "--max-loss", 2.5), "cpu", HERE).diverged(0, 3.0).endswith("the run diverged")
+
+
+def test_the_train_command_stops_a_divergence_in_one_line_without_warnings(tmp_path):
+    p = run_cli("-m", "llmz.train", *TINY, "--lr", "1e6", "--warmup-steps", "0", "--steps", "5",
+                "--log", tmp_path / "run.jsonl")
+    assert p.returncode == 1
+    assert p.stderr.strip().startswith("error: step 1: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ---- late failures lose nothing ------------------------------------------------------------------------------
+def test_a_model_wider_than_its_tokenizer_trains_saves_and_samples_among_the_tokenizers_tokens(tmp_path, capsys):
+    train_here("--vocab-size", 50257, "--steps", 2, "--save", tmp_path / "m.bin", "--log", tmp_path / "l.jsonl")
+    out = capsys.readouterr().out
+    assert "samples are drawn among the tokenizer's 256 only" in out and "--- sample ---" in out
+    assert model_config(str(tmp_path / "m.bin")).vocab_size == 50257
+    assert '"event": "end"' in (tmp_path / "l.jsonl").read_text()
+
+
+def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoint(tmp_path, monkeypatch):
+    from llmz.train import Run
+
+    def broken(self):
+        raise RuntimeError("the sample failed")
+    monkeypatch.setattr(Run, "sample_text", broken)
+    with pytest.raises(RuntimeError):
+        train_here("--steps", 2, "--save", tmp_path / "m.bin", "--log", tmp_path / "l.jsonl", "--checkpoint-dir",
+                   tmp_path / "ck")
+    load_model(str(tmp_path / "m.bin"))
+    recs = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
+    assert recs[-1]["event"] == "end" and not list(tmp_path.glob("*.tmp"))
+    assert load_checkpoint(latest_checkpoint(str(tmp_path / "ck"))).step == 2
+    assert not (tmp_path / "ck" / "llmz.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
+
+
+def test_decode_only_and_smaller_tokenizer_files_train_and_sample_without_a_prompt(tmp_path, capsys):
+    table = [bytes([i]) for i in range(256)]
+    table[65], table[66] = b"AB", b"xyz"                       # not the byte vocabulary: decodes only
+    write_tokenizer(str(tmp_path / "dec.bin"), table, 10)
+    write_tokenizer(str(tmp_path / "small.bin"), [bytes([i]) for i in range(200)], None)
+    train_here("--tokenizer", tmp_path / "dec.bin", "--steps", 1, "--save", tmp_path / "m.bin")
+    train_here("--tokenizer", tmp_path / "small.bin", "--vocab-size", 256, "--steps", 1)
+    assert capsys.readouterr().out.count("--- sample ---") == 2
+    from llmz.sample import main
+    assert main(["--init-from", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "dec.bin"), "--tokens", "5",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["--init-from", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "dec.bin"), "--prompt",
+                 "hi", "--device", "cpu"]) == 2
+    assert "can only decode" in capsys.readouterr().err
+
+
+# ---- the log ----------------------------------------------------------------------------------------------------
+def test_the_log_has_its_name_from_the_first_step_and_a_resume_replaces_what_the_failed_attempt_wrote_after(
+        tmp_path, monkeypatch):
+    from llmz.train import Run
+    real_step = Run.step
+    log, ck = tmp_path / "run.jsonl", tmp_path / "ck"
+    flags = ["--precision", "fp64", "--steps", 6, "--checkpoint-dir", ck, "--checkpoint-every", 3, "--log", log,
+             "--val-every", 2]
+
+    def interrupted_at_4(self, step):
+        if step == 4:
+            assert log.exists() and not Path(str(log) + ".tmp").exists()
+            raise KeyboardInterrupt
+        return real_step(self, step)
+    monkeypatch.setattr(Run, "step", interrupted_at_4)
+    with pytest.raises(KeyboardInterrupt) as e:
+        train_here(*flags)
+    assert str(e.value) == f"interrupted at step 4; last checkpoint {step_dir(ck, 3)}; log {log}"
+    first = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in first if "loss" in r] == [0, 1, 2, 3]
+    monkeypatch.undo()
+    train_here(*flags, "--resume")
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 2, 4, 5]
+    assert [r.get("event") for r in recs if "event" in r] == ["start", "checkpoint", "start", "checkpoint", "end"]
+    # step 3 again, from the checkpoint after step 3 updates: the same bits as the first attempt's
+    second = recs[[i for i, r in enumerate(recs) if r.get("event") == "start"][1]:]
+    assert next(r["loss"] for r in second if r.get("step") == 3 and "loss" in r) == \
+        next(r["loss"] for r in first if r.get("step") == 3 and "loss" in r)
+
+
+# ---- --keep and the checkpoint folder ---------------------------------------------------------------------------
+def test_keep_deletes_only_checkpoints_older_than_the_one_just_written(tmp_path):
+    for s in range(1, 11):
+        os.makedirs(step_dir(tmp_path, s))
+        if s != 4:
+            Path(step_dir(tmp_path, s), DONE_FILE).write_text("{}")
+    deleted = prune(str(tmp_path), keep=2, newest=6)
+    assert sorted(Path(p).name for p in deleted) == ["step_000001", "step_000002", "step_000003", "step_000004"]
+    assert [s for s, _, _ in checkpoints(str(tmp_path))] == [5, 6, 7, 8, 9, 10]
+
+
+def test_resume_with_keep_never_deletes_what_a_later_resume_needs(tmp_path):
+    ck = tmp_path / "ck"
+    train_here("--steps", 6, "--checkpoint-dir", ck, "--checkpoint-every", 1)
+    # resuming from step 3 into the folder that holds 4..6 of the run that went on: refused, nothing deleted
+    with pytest.raises(UsageError) as e:
+        args_of("--steps", 8, "--resume", step_dir(ck, 3), "--checkpoint-dir", ck, "--keep", 1)
+    assert "holds complete checkpoints past step 3 (up to step 6)" in one_line(e)
+    assert [s for s, _, done in checkpoints(str(ck)) if done] == [1, 2, 3, 4, 5, 6]
+    # a fresh run into it: refused the same way
+    with pytest.raises(UsageError, match="starting afresh"):
+        args_of("--steps", 2, "--checkpoint-dir", ck)
+    # continuing the newest with --keep 2: only older ones go
+    train_here("--steps", 8, "--resume", "--checkpoint-dir", ck, "--checkpoint-every", 1, "--keep", 2)
+    assert [s for s, _, done in checkpoints(str(ck)) if done] == [7, 8]
+
+
+# ---- locks: one live run per checkpoint folder and per log ---------------------------------------------------
+@pytest.mark.parametrize("what", ["checkpoint-dir", "log"])
+def test_a_checkpoint_folder_or_log_in_use_is_refused_and_a_stale_lock_is_taken_over_with_a_note(
+        tmp_path, capsys, what):
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    os.makedirs(ck)
+    path = ck / "llmz.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
+    flags = ["--steps", 1, "--checkpoint-dir", ck, "--log", log]
+    live = Lock(str(path), "it")
+    assert live.acquire() is None                                   # a live owner: this very process
+    with pytest.raises(LlmzError) as e:             # refused at start, on every rank alike: exit status 2
+        train_here(*flags)
+    assert f"is in use by another run (pid {os.getpid()} on " in one_line(e) and e.value.exit_code == 2
+    live.release()
+    # a dead owner on this host: taken over, with a note
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0, "tick": 1}))
+    train_here(*flags)
+    assert f"was locked by pid {dead.pid}" in capsys.readouterr().out and not path.exists()
+    # another host's lock cannot be checked from here: refused, with how to clear it
+    path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": 0}))
+    with pytest.raises(LlmzError, match=f"if it does not, delete {path}"):
+        train_here("--steps", 2, "--resume", "--checkpoint-dir", ck, "--log", log)
+
+
+def test_two_train_commands_on_one_checkpoint_folder_the_second_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    first = subprocess.Popen([sys.executable, "-m", "llmz.train", *TINY, "--steps", "100000", "--checkpoint-dir",
+                              str(ck)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while not (ck / "llmz.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
+            time.sleep(0.1)
+        p = run_cli("-m", "llmz.train", *TINY, "--steps", "2", "--checkpoint-dir", ck)
+        assert p.returncode == 2 and "is in use by another run" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
+    finally:
+        first.kill()
+        first.communicate()
+
+
+# ---- Ctrl-C -------------------------------------------------------------------------------------------------------
+def interrupt(cmd: list, ready, timeout: float = 90) -> subprocess.CompletedProcess:
+    """Start `cmd`, wait until ready() is true, send SIGINT (Ctrl-C), return the finished process."""
+    p = subprocess.Popen([sys.executable, *map(str, cmd)], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while not ready() and time.time() - t0 < timeout and p.poll() is None:
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_ctrl_c_is_one_line_from_train_and_sample(tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    p = interrupt(["-m", "llmz.train", *TINY, "--steps", "100000", "--checkpoint-dir", ck, "--checkpoint-every",
+                   "20", "--log", log], lambda: log.exists() and '"event": "checkpoint"' in log.read_text())
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("interrupted at step "), p.stderr
+    assert f"last checkpoint {latest_checkpoint(str(ck))}; log {log}" in p.stderr
+    model = Path(latest_checkpoint(str(ck))) / "model.bin"
+    t0 = time.time()
+    p = interrupt(["-m", "llmz.sample", "--init-from", model, "--tokens", "100000", "--device", "cpu"],
+                  lambda: time.time() - t0 > 8)
+    assert p.returncode == 130 and p.stderr.strip().startswith("interrupted after "), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+# ---- ranks -------------------------------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("rank1, expect", [(["--lr", "nan"], "error: rank 1: --lr nan: must be a finite number"),
+                                           (["--model", "thin"], ("error: the ranks disagree: rank 1 has --model "
+                                                                  "'thin', rank 0 --model 'tiny'"))])
+def test_a_bad_flag_on_one_rank_ends_the_mpi_job_at_once_in_one_line(rank1, expect):
+    cmd = ["-m", "llmz.train", *TINY, "--steps", "2"]
+    t0 = time.time()
+    p = run_mpi(1, [*cmd, ":", "-n", "1", sys.executable, *cmd, *rank1], timeout=60)
+    took = time.time() - t0
+    print(f"mpiexec -n 1 ... : -n 1 ... {' '.join(rank1)}: exit {p.returncode} after {took:.1f} s")
+    assert p.returncode == 2 and p.stderr.strip().startswith(expect) and p.stderr.count("\n") == 1, p.stderr
+    assert took < 30
+
+
+# ---- small things: outputs and lines ---------------------------------------------------------------------------------
+def test_no_sample_block_with_sample_tokens_0_and_one_step_reports_its_time(capsys):
+    train_here("--steps", 1, "--sample-tokens", 0, "--sample-every", 1)
+    out = capsys.readouterr().out
+    assert "sample" not in out and "---" not in out
+    ms = float(out.split("; ")[-2].split(" ms/step")[0])
+    assert ms > 0 and "(one step, with warm-up)" in out
+
+
+def test_step_lines_and_log_records_carry_elapsed_time_and_eta(tmp_path, capsys):
+    train_here("--steps", 3, "--log", tmp_path / "l.jsonl", base=[a for a in TINY if a != "--quiet"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ") and "loss " in line
+             and "val" not in line]
+    assert len(lines) == 3 and all("elapsed, ETA " in line and "tok/s" in line for line in lines), lines
+    recs = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert all(r["elapsed_s"] > 0 and r["eta_s"] >= 0 for r in recs) and recs[-1]["eta_s"] == 0
+
+
+def test_resume_with_other_training_data_says_so(tmp_path, capsys):
+    from llmz.train import DEFAULT_DATA
+    ck = tmp_path / "ck"
+    train_here("--steps", 1, "--checkpoint-dir", ck)
+    other = tmp_path / "other.bin"          # as many tokens as the shipped data, other ones
+    write_tokens(str(other), np.random.default_rng(1).integers(0, 256, token_count(
+        os.path.join(DEFAULT_DATA, "shakespeare_train.bin"))))
+    train_here("--steps", 2, "--resume", "--checkpoint-dir", ck, "--train-data", other)
+    out = capsys.readouterr().out
+    assert "changed: " in out and f"--train-data {other} (was " in out
