@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from llmz.device import KINDS, resolve
+from llmz.device import KERNEL_SETS, KINDS, kernel_paths, resolve
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -37,6 +37,8 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     p = argparse.ArgumentParser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0])
     p.add_argument("--device", choices=KINDS, default="auto", help="auto: gpu where there is one, else cpu")
     p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="as in llmz.train")
+    p.add_argument("--kernels", choices=KERNEL_SETS, default="auto", help="as in llmz.train: fast (GPU default, "
+                   "llmz/fast/) or teaching (llmz/kernels/)")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {steps}; {sim_steps} on sim)")
     p.add_argument("--model", default=None, help="preset (default thin; tiny on sim)")
     p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank")
@@ -46,6 +48,10 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     p.add_argument("--out", default="lessons_out", help="where figures go")
     a = p.parse_args(argv)
     a.kind = resolve(a.device)
+    try:
+        kernel_paths(a.kind, a.kernels)
+    except ValueError as e:
+        p.error(str(e))
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
     a.model = a.model or model
@@ -73,7 +79,8 @@ def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None =
                 trace: str | None = None, overlap: bool = True) -> list[str]:
     """The llmz.train flags of a lesson's run: its device and model, a learning rate that moves in a few
     steps, weight decay and clipping switched on so every part of the update runs, no validation."""
-    f = ["--device", a.kind, "--precision", a.precision, "--comm", comm or a.comm, "--zero-stage", str(stage),
+    f = ["--device", a.kind, "--precision", a.precision, "--comm", comm or a.comm, "--kernels", a.kernels,
+         "--zero-stage", str(stage),
          "--model", a.model, "--max-seq-len", str(a.seq_len), "-t", str(a.seq_len),
          "-b", str(batch_size or a.batch_size), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
          "--lr", "1e-2", "--warmup-steps", "2", "--lr-schedule", "constant", "--weight-decay", "0.1",

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from .bf16 import bf16_to_f32
-from .device import KINDS, resolve
+from .device import KERNEL_SETS, KINDS, resolve
 
 
 def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0) -> list[int]:
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--tokenizer", default="byte")
     p.add_argument("--device", choices=KINDS, default="auto")
+    p.add_argument("--kernels", choices=KERNEL_SETS, default="auto", help="fast (GPU default, llmz/fast/) or "
+                   "teaching (llmz/kernels/; the simulator's default)")
     p.add_argument("--seq-len", type=int, default=None, help="window (default: model's maxT, at most 256)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
         cfg, llmc = load_model(args.init_from)
         tok = load_tokenizer(args.tokenizer)
         layout = Layout(cfg, 1)
-        dev = Device(kind, np.float32)
+        dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)
         T = args.seq_len or min(cfg.max_seq_len, 256)
         model = GPT2(cfg, dev, 1, T)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .bf16 import bf16_to_f32
-from .device import ATTENTIONS, KINDS, MATMULS, resolve
+from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, kernel_paths, resolve
 
 # storage dtype of each --precision: bf16 values are kept as their uint16 bit patterns (llmz.bf16)
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "bf16": np.uint16}
@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
       "parameters, gradients and activations in bf16, fp32 master weights, m, v, layernorm statistics and "
       "losses, stochastic rounding in AdamW and in ZeRO-2's accumulation")
     a("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="collective backend between ranks")
-    a("--matmul", choices=MATMULS, default="auto", help="cublas (GPU default: cuBLAS via CuPy, TF32 for "
-      "fp32) or numba (the tiled teaching kernel; the simulator's default)")
-    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (GPU default: batched products + a "
-      "softmax kernel, llm.c's non-cuDNN path) or direct (one teaching kernel per step of the math)")
+    a("--kernels", choices=KERNEL_SETS, default="auto", help="fast (GPU default: llmz/fast/, the kernels that "
+      "won) or teaching (llmz/kernels/: the simplest correct kernel per layer; the default in the simulator, "
+      "and on cpu, where it means the NumPy references)")
+    a("--matmul", choices=MATMULS, default="auto", help="the products: cublas (cuBLAS, TF32 for fp32; the "
+      "default with --kernels fast on a GPU) or numba (the tiled teaching kernel)")
+    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (the default with cuBLAS: batched "
+      "per-head products around a softmax kernel, llm.c's non-cuDNN path) or direct (the teaching kernels, one "
+      "per step of the math)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default at ZeRO stages 0 and 1 with --comm nccl "
@@ -109,9 +113,7 @@ def parse_args(argv=None, kind: str | None = None):
     kind = kind or resolve(args.device)
     defaults_for(args, kind)
     check_args(args)
-    if args.matmul == "cublas" and kind != "gpu":
-        from .errors import LlmzError
-        raise LlmzError(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
+    kernel_paths(kind, args.kernels, args.matmul, args.attention)      # a ValueError of one line if they clash
     return args, kind
 
 
@@ -193,7 +195,7 @@ class Run:
         dtype = PRECISIONS[args.precision]
         from .device import Device
         self.dev = Device(kind, dtype, gpu_index=ranks.local_rank, matmul=args.matmul,
-                          attention=args.attention, tf32=not args.no_tf32)
+                          attention=args.attention, tf32=not args.no_tf32, kernel_set=args.kernels)
         self.comm = comm.make_communicator(args.comm, ranks, self.dev)
         self.tok = tokenizer.load_tokenizer(args.tokenizer)
         # model: a checkpoint to resume, an llm.c file, or a preset
@@ -339,9 +341,8 @@ class Run:
         Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm.
         On the GPU both parts replay as CUDA graphs (llmz.graph); the loss and the norm are read once, at
         the end."""
-        from .kernels.fill import zero
         z = self.zero
-        zero(self.dev, self.loss_sum)
+        self.model.kernels.zero(self.dev, self.loss_sum)
         K = self.args.grad_accum
         for micro in range(K):
             z.rounding_step = step * K + micro        # bf16 stage 2: fresh rounding draws every micro-step
@@ -367,13 +368,13 @@ class Run:
 
     def next_batch(self, loader, backward: bool = False) -> None:
         """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream). backward:
-        the batch's backward follows, so on the GPU also its positions sorted by token (the fast wte backward;
-        a forward-only batch, as in validation, needs none)."""
+        the batch's backward follows, so with the fast kernels also its positions sorted by token (their wte
+        backward; a forward-only batch, as in validation, needs none)."""
         x, y = loader.next_batch()
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
-        if backward and self.dev.kind == "gpu":
-            from .kernels.encoder import wte_buckets_upload
+        if backward and self.dev.fast:
+            from .fast.encoder import wte_buckets_upload
             self.model.wte_buckets = wte_buckets_upload(self.dev, x)
 
     def mean_over_ranks(self, x: float) -> float:
@@ -432,7 +433,10 @@ def train(args, kind: str, ranks) -> dict:
     say = print if r0 else (lambda *a, **k: None)
     run = Run(args, kind, ranks)
     c = run.config
-    say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
+    d = run.dev
+    kernels = (f"{d.kernel_set} kernels (matmul {d.matmul}, attention {d.attention})" if d.kernels
+               else "the NumPy references")
+    say(f"llmz: {d.kind} {args.precision}, {kernels}, {ranks.world_size} rank(s), comm {run.comm.name}, "
         f"ZeRO stage {args.zero_stage}")
     say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
         f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")

@@ -1,4 +1,4 @@
-"""The global gradient norm and gradient clipping.
+"""The global gradient norm and gradient clipping (llm.c: global_norm_squared, and the grad_scale its AdamW takes).
 
     norm_sq = sum_i x_i^2                     (over one rank's gradients; ranks all-reduce norm_sq)
     scale   = clip / sqrt(norm_sq)  if clip > 0 and sqrt(norm_sq) > clip,  else 1
@@ -55,10 +55,10 @@ def global_norm_ref(arrays) -> float:
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
-# shared-memory block reductions (the classifier and attention use them too): a tree over buf[0:n], in the
-# same order every run. Every thread of the block calls them; thread tid takes slots tid, tid + blockDim, ...
-# of each level (one slot when n <= blockDim; the classifier's paired kernels reduce n = 2 blockDim values).
-# buf[0] holds the result on return.
+# shared-memory block reductions (layernorm's and the classifier's kernels use them too, llmz.fast's
+# classifier as well): a tree over buf[0:n], in the same order every run. Every thread of the block calls
+# them; thread tid takes slots tid, tid + blockDim, ... of each level (one slot when n <= blockDim; the fast
+# classifier's paired kernels reduce n = 2 blockDim values). buf[0] holds the result on return.
 @cuda.jit(device=True)
 def block_sum(buf, tid, n):
     half = 1
@@ -94,7 +94,7 @@ def norm_partial_kernel(scratch, x, n):
     nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     # each thread: a grid-stride loop, accumulating in float64
-    s = 0.0
+    s = np.float64(0.0)
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         xi = numba.float64(load(x, i))
         s += xi * xi
@@ -113,7 +113,7 @@ def norm_final_kernel(out, scratch, nblocks, accumulate):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
-    s = 0.0
+    s = np.float64(0.0)
     for j in range(tid, nblocks, nt):
         s += scratch[j]
     buf[tid] = s
