@@ -319,6 +319,13 @@ class Device:
         with self.region(kernel.py_func.__name__, flops=flops, nbytes=nbytes, stream=stream):
             kernel[grid, block, s, shared](*args)
 
+    def launch_per_element(self, kernel, arrays, *extra, stream=None) -> None:
+        """kernel(*arrays flattened, n, *extra) with one thread per element of the same-size arrays (n of them):
+        the launch of the teaching set's elementwise kernels."""
+        n = arrays[0].size
+        self.launch(kernel, ceil_div(n, self.block_size), self.block_size, *(a.reshape(-1) for a in arrays), n,
+                    *extra, stream=stream)
+
     @contextlib.contextmanager
     def region(self, name: str, flops: int = 0, nbytes: int = 0, stream=None):
         """While self.profile is a list, time the GPU work enqueued inside with two CUDA events and append

@@ -109,7 +109,7 @@ def signatures(bf16: bool) -> dict:
         "llmz.kernels.norm:norm_partial_kernel": (A(f64), A(v), i64),
         "llmz.kernels.norm:norm_final_kernel": (A(f64), A(f64), i64, b1),
         "llmz.kernels.norm:clip_scale_kernel": (A(f64), A(f64), f64),
-        "llmz.kernels.fill:fill_kernel": (A(v), f64, i64),
+        "llmz.kernels.fill:fill_kernel": (A(v), i64, f64),
     }
     if bf16:
         sigs.update({

@@ -195,5 +195,4 @@ def launch_elementwise(dev, pairs_kernel, teaching_kernel, arrays, *extra) -> No
         dev.launch(pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
                    *(words(x) for x in arrays), n // 2, *extra)
     else:
-        dev.launch(teaching_kernel, ceil_div(n, dev.block_size), dev.block_size,
-                   *(x.reshape(-1) for x in arrays), n, *extra)
+        dev.launch_per_element(teaching_kernel, arrays, *extra)

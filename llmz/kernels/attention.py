@@ -89,6 +89,22 @@ def attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads, accum
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def row_of(row, NH, T):
+    """(b, h, t) of row b*NH*T + h*T + t of att (B,NH,T,T)."""
+    return row // (T * NH), row // T % NH, row % T
+
+
+@cuda.jit(device=True)
+def this_channel(x, NH):
+    """This thread's element of x (B,T,C), one thread per element: (inside, b, t, c, h), h the head of channel c
+    and inside False for the threads past the last element."""
+    B, T, C = x.shape
+    idx = cuda.grid(1)
+    c = idx % C
+    return idx < B * T * C, idx // (C * T), idx // C % T, c, c // (C // NH)
+
+
 @cuda.jit
 def attention_scores_kernel(scores, x, x_off, y, y_off, hs, scale):
     # scores (B,NH,T,T); x (B,T,*), y (B,T,*), head h of x being channels x_off + h*hs : x_off + (h+1)*hs (y alike).
@@ -97,10 +113,8 @@ def attention_scores_kernel(scores, x, x_off, y, y_off, hs, scale):
     B, NH, T, _ = scores.shape
     idx = cuda.grid(1)
     if idx < B * NH * T * T:
+        b, h, t = row_of(idx // T, NH, T)
         t2 = idx % T
-        t = idx // T % T
-        h = idx // (T * T) % NH
-        b = idx // (T * T * NH)
         if t2 <= t:
             # dot product over the head's channels
             acc = np.float64(0.0)
@@ -118,9 +132,7 @@ def attention_softmax_kernel(att, preatt):
     B, NH, T, _ = att.shape
     row = cuda.grid(1)
     if row < B * NH * T:
-        t = row % T
-        h = row // T % NH
-        b = row // (T * NH)
+        b, h, t = row_of(row, NH, T)
         # the row's maximum, for numerical stability
         maxval = load(preatt, (b, h, t, 0))
         for t2 in range(1, t + 1):
@@ -143,14 +155,9 @@ def attention_softmax_kernel(att, preatt):
 def attention_values_kernel(out, att, inp):
     # out (B,T,C); att (B,NH,T,T); inp (B,T,3C), v = inp[..., 2C:].
     # out[b,t,c] = sum over t2 <= t of att[b,h,t,t2] v[b,t2,c], h = c // hs. Overwrites out. One thread per (b,t,c).
-    B, T, C = out.shape
-    hs = C // att.shape[1]
-    idx = cuda.grid(1)
-    if idx < B * T * C:
-        c = idx % C
-        t = idx // C % T
-        b = idx // (C * T)
-        h = c // hs
+    C = out.shape[2]
+    inside, b, t, c, h = this_channel(out, att.shape[1])
+    if inside:
         acc = np.float64(0.0)
         for t2 in range(t + 1):
             acc += load(att, (b, h, t, t2)) * load(inp, (b, t2, 2 * C + c))
@@ -164,9 +171,7 @@ def attention_softmax_backward_kernel(dpreatt, datt, att):
     B, NH, T, _ = att.shape
     row = cuda.grid(1)
     if row < B * NH * T:
-        t = row % T
-        h = row // T % NH
-        b = row // (T * NH)
+        b, h, t = row_of(row, NH, T)
         # sum over the row of att * datt
         s = np.float64(0.0)
         for t2 in range(t + 1):
@@ -185,14 +190,9 @@ def attention_dinp_kernel(dinp, dpreatt, att, dout, inp, scale):
     #   dq[t] += scale * sum over t2 <= t of dpreatt[t,t2] k[t2]
     #   dk[t] += scale * sum over t3 >= t of dpreatt[t3,t] q[t3]
     #   dv[t] +=         sum over t3 >= t of att[t3,t] dout[t3]
-    B, T, C = dout.shape
-    hs = C // att.shape[1]
-    idx = cuda.grid(1)
-    if idx < B * T * C:
-        c = idx % C
-        t = idx // C % T
-        b = idx // (C * T)
-        h = c // hs
+    T, C = dout.shape[1:]
+    inside, b, t, c, h = this_channel(dout, att.shape[1])
+    if inside:
         # position t as a query: the keys it looked at
         dq = np.float64(0.0)
         for t2 in range(t + 1):

@@ -26,7 +26,7 @@ from numba import cuda
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .bf16 import load, store
-from .norm import MAX_BLOCK, block_max, block_sum
+from .norm import MAX_BLOCK, block_total
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -91,22 +91,15 @@ def classifier_forward_kernel(losses, probs, logits, targets, V):
     Vp = logits.shape[1]
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     # row max: each thread over its strided columns, then across the block
-    m = -math.inf
+    m = np.float64(-math.inf)
     for v in range(tid, V, nt):
         m = max(m, numba.float64(load(logits, (r, v))))
-    buf[tid] = m
-    cuda.syncthreads()
-    block_max(buf, tid, nt)
-    maxval = buf[0]
-    cuda.syncthreads()                      # everyone has read the max before buf is reused
+    maxval = block_total(buf, m, True)
     # sum of exp(x - max), accumulated in float64
     s = np.float64(0.0)
     for v in range(tid, V, nt):
         s += math.exp(load(logits, (r, v)) - maxval)
-    buf[tid] = s
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    total = buf[0]
+    total = block_total(buf, s, False)
     # normalise; padded columns are zero
     for v in range(tid, Vp, nt):
         store(probs, (r, v), math.exp(load(logits, (r, v)) - maxval) / total if v < V else 0.0)

@@ -9,7 +9,6 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import f32_to_bf16, is_bf16
-from ..device import ceil_div
 from .bf16 import store
 
 
@@ -19,7 +18,7 @@ def fill_ref(x, value):
 
 
 @cuda.jit
-def fill_kernel(x, value, n):
+def fill_kernel(x, n, value):
     """x: (n,). One thread per element. Overwrites x[i] with value."""
     i = cuda.grid(1)
     if i < n:
@@ -30,11 +29,8 @@ def fill(dev, x, value=0.0, stream=None) -> None:
     """x = value everywhere, on the compute stream (or `stream`). Overwrites x."""
     if not dev.kernels:
         return fill_ref(x, value)
-    n = x.size
-    if n == 0:
-        return
-    dev.launch(fill_kernel, ceil_div(n, dev.block_size), dev.block_size, x.reshape(-1), value, n,
-               stream=stream)
+    if x.size:
+        dev.launch_per_element(fill_kernel, (x,), value, stream=stream)
 
 
 def zero(dev, x, stream=None) -> None:

@@ -14,7 +14,6 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -85,8 +84,7 @@ def gelu_forward(dev, out, inp) -> None:
     """out = gelu(inp), any shape. Overwrites out."""
     if not dev.kernels:
         return gelu_forward_ref(out, inp)
-    n = inp.size
-    dev.launch(gelu_forward_kernel, ceil_div(n, dev.block_size), dev.block_size, out.reshape(-1), inp.reshape(-1), n)
+    dev.launch_per_element(gelu_forward_kernel, (out, inp))
 
 
 def gelu_backward(dev, dinp, inp, dout, accumulate: bool = True) -> None:
@@ -94,6 +92,4 @@ def gelu_backward(dev, dinp, inp, dout, accumulate: bool = True) -> None:
     dinp not read)."""
     if not dev.kernels:
         return gelu_backward_ref(dinp, inp, dout, accumulate)
-    n = inp.size
-    dev.launch(gelu_backward_kernel, ceil_div(n, dev.block_size), dev.block_size,
-               dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1), n, accumulate)
+    dev.launch_per_element(gelu_backward_kernel, (dinp, inp, dout), accumulate)

@@ -51,6 +51,14 @@ def _tile_dtype_cuda(a):
     return lambda a: a.dtype
 
 
+@cuda.jit(device=True)
+def op_element(x, z, r, c, R, C, trans):
+    """op(x)[z, r, c] (op(x) = x or, when trans, x[z].T), 0.0 outside its R x C."""
+    if r < R and c < C:
+        return load(x, (z, c, r)) if trans else load(x, (z, r, c))
+    return 0.0
+
+
 @cuda.jit
 def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
     # c (Z,M,N) = alpha * op(a) @ op(b) per batch index z, or += that when `accumulate`; op(a) (M,K), op(b)
@@ -70,17 +78,13 @@ def gemm_tiled_kernel(c, a, b, trans_a, trans_b, accumulate, alpha):
         # stage a_tile = op(a)[row0:+TILE, k0:+TILE] and b_tile = op(b)[k0:+TILE, col0:+TILE], zero past the
         # edges; on a transposed operand the threads swap roles so that consecutive tx read consecutive addresses
         if trans_a:
-            i, k = row0 + tx, k0 + ty
-            a_tile[tx, ty] = load(a, (z, k, i)) if i < M and k < K else 0.0
+            a_tile[tx, ty] = op_element(a, z, row0 + tx, k0 + ty, M, K, True)
         else:
-            i, k = row0 + ty, k0 + tx
-            a_tile[ty, tx] = load(a, (z, i, k)) if i < M and k < K else 0.0
+            a_tile[ty, tx] = op_element(a, z, row0 + ty, k0 + tx, M, K, False)
         if trans_b:
-            j, k = col0 + ty, k0 + tx
-            b_tile[tx, ty] = load(b, (z, j, k)) if j < N and k < K else 0.0
+            b_tile[tx, ty] = op_element(b, z, k0 + tx, col0 + ty, K, N, True)
         else:
-            j, k = col0 + tx, k0 + ty
-            b_tile[ty, tx] = load(b, (z, k, j)) if j < N and k < K else 0.0
+            b_tile[ty, tx] = op_element(b, z, k0 + ty, col0 + tx, K, N, False)
         cuda.syncthreads()
         # partial dot product of row ty of a_tile with column tx of b_tile
         for kk in range(TILE):

@@ -26,7 +26,7 @@ from numba import cuda
 from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
 from .bf16 import load, store, store_add
-from .norm import MAX_BLOCK, block_sum
+from .norm import MAX_BLOCK, block_total
 
 LN_EPS = 1e-5
 
@@ -77,32 +77,24 @@ def layernorm_forward_kernel(out, mean, rstd, inp, weight, bias):
     """inp, out: (N,C); mean, rstd: (N,); weight, bias: (C,). One block per row. Overwrites out, mean, rstd."""
     C = inp.shape[1]
     row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    channels = range(cuda.threadIdx.x, C, cuda.blockDim.x)         # this thread's
     # the mean over channels: per-thread partial sums, then the block's tree
     acc = np.float64(0.0)
-    for i in range(tid, C, nt):
+    for i in channels:
         acc += load(inp, (row, i))
-    buf[tid] = acc
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    m = buf[0] / C
-    cuda.syncthreads()                  # everyone has read buf[0] before buf is reused
+    m = block_total(buf, acc, False) / C
     # the biased variance, a second pass over the row
     acc = np.float64(0.0)
-    for i in range(tid, C, nt):
+    for i in channels:
         d = load(inp, (row, i)) - m
         acc += d * d
-    buf[tid] = acc
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    s = 1.0 / math.sqrt(buf[0] / C + LN_EPS)
+    s = 1.0 / math.sqrt(block_total(buf, acc, False) / C + LN_EPS)
     # normalize, then scale and shift
-    for i in range(tid, C, nt):
+    for i in channels:
         store(out, (row, i), (load(inp, (row, i)) - m) * s * load(weight, i) + load(bias, i))
     # cache for backward
-    if tid == 0:
+    if cuda.threadIdx.x == 0:
         mean[row] = m
         rstd[row] = s
 
@@ -112,30 +104,22 @@ def layernorm_backward_inp_kernel(dinp, dout, inp, weight, mean, rstd):
     """dinp, dout, inp: (N,C); weight: (C,); mean, rstd: (N,). One block per row. Accumulates (+=) into dinp."""
     C = inp.shape[1]
     row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
+    channels = range(cuda.threadIdx.x, C, cuda.blockDim.x)
     m = mean[row]
     s = rstd[row]
     # the two means over the row: of dnorm = weight * dout, and of dnorm * norm
     acc_d = np.float64(0.0)
     acc_dn = np.float64(0.0)
-    for i in range(tid, C, nt):
+    for i in channels:
         norm = (load(inp, (row, i)) - m) * s
         dnorm = load(weight, i) * load(dout, (row, i))
         acc_d += dnorm
         acc_dn += dnorm * norm
-    buf[tid] = acc_d
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    dnorm_mean = buf[0] / C
-    cuda.syncthreads()                  # everyone has read buf[0] before buf is reused
-    buf[tid] = acc_dn
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    dnorm_norm_mean = buf[0] / C
+    dnorm_mean = block_total(buf, acc_d, False) / C
+    dnorm_norm_mean = block_total(buf, acc_dn, False) / C
     # the input gradient
-    for i in range(tid, C, nt):
+    for i in channels:
         norm = (load(inp, (row, i)) - m) * s
         dnorm = load(weight, i) * load(dout, (row, i))
         store_add(dinp, (row, i), s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))

@@ -9,7 +9,6 @@ residual_forward overwrites out; residual_backward accumulates (+=) into dinp1 a
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store
 
 
@@ -54,15 +53,11 @@ def residual_forward(dev, out, inp1, inp2) -> None:
     """out = inp1 + inp2 (any shape). Overwrites out."""
     if not dev.kernels:
         return residual_forward_ref(out, inp1, inp2)
-    n = out.size
-    dev.launch(residual_forward_kernel, ceil_div(n, dev.block_size), dev.block_size,
-               out.reshape(-1), inp1.reshape(-1), inp2.reshape(-1), n)
+    dev.launch_per_element(residual_forward_kernel, (out, inp1, inp2))
 
 
 def residual_backward(dev, dinp1, dinp2, dout) -> None:
     """dinp1 += dout; dinp2 += dout (dinp1, dinp2: two different arrays). Accumulates."""
     if not dev.kernels:
         return residual_backward_ref(dinp1, dinp2, dout)
-    n = dout.size
-    dev.launch(residual_backward_kernel, ceil_div(n, dev.block_size), dev.block_size,
-               dinp1.reshape(-1), dinp2.reshape(-1), dout.reshape(-1), n)
+    dev.launch_per_element(residual_backward_kernel, (dinp1, dinp2, dout))
