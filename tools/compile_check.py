@@ -21,22 +21,17 @@ import sys
 import tempfile
 import types as pytypes
 
-# before numba is imported: compile for sm_90 without asking a driver which GPU there is
-os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-os.environ.setdefault("NUMBA_FORCE_CUDA_CC", "9.0")
-for home in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
-    if os.path.isdir(os.path.join(home, "nvvm")):
-        os.environ.setdefault("CUDA_HOME", home)
-        break
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":
+    # before numba is imported: compile for sm_90 without asking a driver which GPU there is
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    os.environ.setdefault("NUMBA_FORCE_CUDA_CC", "9.0")
+    for home in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
+        if os.path.isdir(os.path.join(home, "nvvm")):
+            os.environ.setdefault("CUDA_HOME", home)
+            break
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from numba import cuda, types
-from numba.cuda import cuda_paths, dispatcher
-
-# device functions compile for "the current device": there is none, so say it is an H200 (sm_90); libdevice is
-# found through CUDA_HOME, and NVRTC (not installed here) is not needed to compile Python kernels
-dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("not needed", None)
 
 f32, f64, u16, u32, u64, i32, i64, b1 = (types.float32, types.float64, types.uint16, types.uint32, types.uint64,
                                          types.int32, types.int64, types.boolean)
@@ -156,7 +151,16 @@ def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
     return ptx, stats
 
 
+def without_a_gpu() -> None:
+    """Device functions compile for "the current device": there is none, so say it is an H200 (sm_90); libdevice
+    is found through CUDA_HOME, and NVRTC (not installed here) is not needed to compile Python kernels."""
+    from numba.cuda import cuda_paths, dispatcher
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
+    cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("not needed", None)
+
+
 def main(argv=None) -> int:
+    without_a_gpu()
     p = argparse.ArgumentParser(prog="python tools/compile_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="kernels whose module:name contains this")
     p.add_argument("--ptx-dir", default=None, help="write each kernel's PTX (names numbered) here")
