@@ -3,9 +3,10 @@
 GPT-2 is a straight list of layers: the encoder (token + position embedding); L blocks of layernorm, qkv
 matmul, attention, projection, residual add, layernorm, fc matmul, GELU, projection, residual add; the
 final layernorm; the classifier (logits = x @ wte.T, softmax, cross-entropy). Each layer is a pair of
-functions, forward and backward, and each pair exists twice (llmz/kernels/*.py): a Numba CUDA kernel, run
-on the GPU, or on a laptop in Numba's CUDA simulator (--device sim), and a NumPy reference of the same math
-(--device cpu). llmz.model.GPT2 calls them in order; the device decides which of the two runs.
+functions, forward and backward, and each pair exists twice in the teaching set (llmz/kernels/*.py): a Numba
+CUDA kernel, run on the GPU, or on a laptop in Numba's CUDA simulator (--device sim), and a NumPy reference of
+the same math (--device cpu). llmz/fast/ holds the faster kernels the GPU runs by default, each tested against
+its teaching twin; --kernels teaching|fast picks the set. llmz.model.GPT2 calls the layers in order.
 
 One training step:
     forward    the activations, and the loss: the mean cross-entropy over the B*T positions
@@ -55,7 +56,7 @@ def lesson(a, ranks) -> int:
     ck = common.Checkpoints(ranks, 4)
     # ---- 1. the layers as kernels, against their NumPy references -----------------------------------------
     # The kernels run on the GPU where there is one, else in the simulator (every CUDA thread a Python
-    # thread: slow, so there the model is one block of 8 channels on 4 tokens).
+    # thread: slow, so there the model is one block of 8 channels on 4 tokens); --kernels picks the set.
     kernel_kind = resolve("gpu" if a.kind != "sim" and gpu_available() else "sim")    # before numba loads
     from llmz.config import GPT2Config, preset
     from llmz.device import Device
@@ -69,11 +70,12 @@ def lesson(a, ranks) -> int:
     rng = np.random.default_rng(0)
     params = init_parameters(layout, seed=0)
     x, y = rng.integers(0, config.vocab_size, (2, B, T))
-    common.say(ranks, f"kernels ({kernel_kind}, float32) against the NumPy reference (cpu, float64): "
+    # fp32 throughout: the fast set's cuBLAS products without TF32 (llmz.train's GPU default, TF32 tensor cores,
+    # rounds products to 10-bit mantissas: ~1e-3, see BENCHMARKS.md)
+    kernels = Device(kernel_kind, np.float32, ranks.local_rank, kernel_set=a.kernels, tf32=False)
+    common.say(ranks, f"{kernels.kernel_set} kernels ({kernel_kind}, float32, matmul {kernels.matmul}, attention "
+               f"{kernels.attention}) against the NumPy reference (cpu, float64): "
                f"L={config.num_layers} C={config.channels} V={config.vocab_size} B={B} T={T}")
-    # the teaching kernels: the tiled matmul and the direct attention kernels, fp32 throughout (llmz.train's
-    # GPU default, cuBLAS on TF32 tensor cores, rounds products to 10-bit mantissas: ~1e-3, see BENCHMARKS.md)
-    kernels = Device(kernel_kind, np.float32, ranks.local_rank, matmul="numba", attention="direct")
     loss_k, grads_k = forward_backward(kernels, config, params.astype(np.float32), x, y)
     loss_r, grads_r = forward_backward(Device("cpu", np.float64), config, params, x, y)
     rel = abs(loss_k - loss_r) / abs(loss_r)

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from llmz.device import ATTENTIONS, KINDS, resolve
+from llmz.device import ATTENTIONS, KERNEL_SETS, KINDS, resolve
 from llmz.errors import UsageError
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
@@ -46,6 +46,9 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
                    help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA simulator")
     p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
                    help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
+    p.add_argument("--kernels", choices=KERNEL_SETS, default="auto",
+                   help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, llmz/kernels/, "
+                   "elsewhere)")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto",
                    help="as in llmz.train (default auto: gemm on a GPU, direct elsewhere; flash: FlashAttention-2)")
     p.add_argument("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
@@ -65,6 +68,8 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
         a.kind = resolve(a.device)
     except (ValueError, RuntimeError) as e:      # --device gpu without one: a flag that cannot be met
         raise UsageError(str(e)) from None
+    from llmz.args import check_kernels
+    check_kernels(a, a.kind)                     # --kernels and --attention against the device
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
     a.model = a.model or model
@@ -100,7 +105,7 @@ def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None =
     """The llmz.train flags of a lesson's run: its device and model, a learning rate that moves in a few
     steps, weight decay and clipping switched on so every part of the update runs, no validation."""
     f = ["--device", a.kind, "--precision", a.precision, "--comm", comm or a.comm, "--zero-stage", str(stage),
-         "--attention", getattr(a, "attention", "auto"),
+         "--kernels", getattr(a, "kernels", "auto"), "--attention", getattr(a, "attention", "auto"),
          "--model", a.model, "--max-seq-len", str(a.seq_len), "-t", str(a.seq_len),
          "-b", str(batch_size or a.batch_size), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
          "--lr", "1e-2", "--warmup-steps", "2", "--lr-schedule", "constant", "--weight-decay", "0.1",

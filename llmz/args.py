@@ -229,8 +229,7 @@ def _check_train(args, kind: str, world_size: int) -> None:
     # device
     if args.precision == "fp64" and kind == "gpu":
         fail("--precision fp64 runs on --device cpu or sim only")
-    if args.matmul == "cublas" and kind != "gpu":
-        fail(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
+    check_kernels(args, kind)
     if args.trace and args.zero_stage not in TRACE_STAGES:
         fail(f"--trace records how ZeRO stages {' and '.join(map(str, TRACE_STAGES))} overlap their collectives "
              f"with compute; at --zero-stage {args.zero_stage} there is nothing to trace; use --zero-stage "
@@ -301,6 +300,16 @@ def _check_train(args, kind: str, world_size: int) -> None:
                   {"--checkpoint-dir": args.checkpoint_dir})
 
 
+def check_kernels(args, kind: str) -> None:
+    """--kernels, --matmul and --attention against each other and the device (llmz.device.kernel_paths)."""
+    from .device import kernel_paths
+    try:
+        kernel_paths(kind, getattr(args, "kernels", "auto"), getattr(args, "matmul", "auto"),
+                     getattr(args, "attention", "auto"))
+    except ValueError as e:
+        fail(str(e))
+
+
 # ---- python -m llmz.sample -----------------------------------------------------------------------------------
 def check_sample(args, kind: str = "cpu"):
     """Every flag of llmz.sample -> (model config, tokenizer, prompt ids) for the run; reads the model's header
@@ -318,6 +327,7 @@ def _check_sample(args, kind: str):
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
     check_seed(args)
+    check_kernels(args, kind)
     try:
         cfg = model_config(args.init_from)
     except LlmzError as e:

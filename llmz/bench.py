@@ -8,6 +8,10 @@ and prints ms per step, tokens/s, MFU and the GPU memory held.
                 card's ceilings (bytes = the arrays a kernel touches, each counted once)
   --vs-torch    a plain PyTorch eager GPT-2 of the same shapes, precision and optimizer (llmz.torch_ref),
                 timed in the same process; prints the ratio
+  --layer NAME  instead of a step, one layer's teaching and fast versions side by side at the model's sizes
+                (llm.c's dev/cuda role: llmz.bench_layers): error against the NumPy reference, us per call,
+                GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, gelu, residual, classifier,
+                adamw, norm, accumulate, a comma-separated list, or all
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 
 import numpy as np
 
-from .device import ATTENTIONS, KINDS, MATMULS, resolve
+from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 
 # the card's ceilings for the per-kernel table: HBM bandwidth, dense tensor-core throughput
 CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
@@ -34,11 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", choices=KINDS, default="auto")
     a("--model", default="d12")
     a("--vocab-size", type=int, default=50257)
-    a("-b", "--batch-size", type=int, default=16)
+    a("-b", "--batch-size", type=int, default=None, help="B (default 16; 4 with --layer)")
     a("-t", "--seq-len", type=int, default=1024)
     a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32")
-    a("--matmul", choices=MATMULS, default="auto")
-    a("--attention", choices=ATTENTIONS, default="auto")
+    a("--kernels", choices=KERNEL_SETS, default="auto", help="as in llmz.train: fast (GPU default) or teaching")
+    a("--matmul", choices=MATMULS, default="auto", help="as in llmz.train: cublas or numba (the tiled kernel)")
+    a("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train: gemm, direct or flash")
     a("--no-tf32", action="store_true")
     a("--no-cuda-graph", action="store_true")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
@@ -49,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vs-torch", action="store_true", help="time PyTorch eager on the same shapes and print the ratio")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
+    a("--layer", default=None, metavar="NAME", help="one layer's teaching and fast versions (see above)")
+    a("--reps", type=int, default=20, help="--layer: timed calls per version and pass")
     return p
 
 
@@ -58,7 +65,8 @@ def make_run(args, kind: str, data_path: str, stage: int):
     from .train import Run, parse_args
     flags = ["--device", kind, "--model", args.model, "--vocab-size", str(args.vocab_size),
              "-b", str(args.batch_size), "-t", str(args.seq_len), "--precision", args.precision,
-             "--matmul", args.matmul, "--attention", args.attention, "--zero-stage", str(stage),
+             "--kernels", args.kernels, "--matmul", args.matmul, "--attention", args.attention,
+             "--zero-stage", str(stage),
              "--train-data", data_path, "--val-data", "", "--steps", str(args.warmup + args.steps + 1),
              "--lr", "3e-4", "--warmup-steps", "0", "--quiet"]
     flags += ["--no-tf32"] * args.no_tf32 + ["--no-cuda-graph"] * args.no_cuda_graph
@@ -143,7 +151,7 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     B, T = args.batch_size, args.seq_len
     run = make_run(args, kind, path, stage)
     dev = run.dev
-    paths = (f"matmul {dev.matmul}"
+    paths = (f"{dev.kernel_set} kernels, matmul {dev.matmul}"
              f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
              f"attention {dev.attention}" if dev.kernels else "the NumPy references")
     print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs "
@@ -194,7 +202,13 @@ def main(argv=None) -> int:
 
 
 def bench(args) -> int:
+    from .args import check_kernels
     kind = resolve(args.device)
+    check_kernels(args, kind)
+    if args.layer:
+        from .bench_layers import main as layer_main
+        return layer_main(args, kind)
+    args.batch_size = args.batch_size or 16
     from .config import preset
     from .data import write_tokens
     cfg = preset(args.model, vocab_size=args.vocab_size)

@@ -1,4 +1,4 @@
-"""The three ways to execute the same model.
+"""The three ways to execute the same model, and which kernels run there.
 
   gpu  CuPy owns the memory; every layer is a Numba @cuda.jit kernel launched on a CuPy stream
        (numba.cuda.external_stream), so CuPy (cuBLAS, NCCL) and Numba share one ordered stream.
@@ -6,19 +6,27 @@
   sim  the same Numba kernels as `gpu`, run by Numba's CUDA simulator on NumPy arrays
        (NUMBA_ENABLE_CUDASIM=1, which must be set before numba is first imported).
 
-Layer code never asks which one it runs on: it calls `dev.launch(kernel, grid, block, *args)` or, when
-`dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on cpu and sim they
-are no-ops because everything already runs in program order.
+Two kernel sets (--kernels): `teaching` (llmz/kernels/: the simplest correct kernel per layer, beside its
+NumPy reference) and `fast` (llmz/fast/: the kernels that won, each tested against its teaching twin). The
+default is fast on a GPU and teaching elsewhere; on cpu the teaching set means the NumPy references. The
+fast set also runs in the simulator (its warp shuffles emulated there), with the tiled product in place of
+cuBLAS. --matmul and --attention refine it: the products by cuBLAS (fast, GPU) or the tiled teaching
+kernel; attention as cuBLAS batched products around a softmax kernel (fast, GPU) or the direct teaching
+kernels. The layer code never asks which device it runs on: it calls `dev.launch(kernel, grid, block,
+*args)` or, when `dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on
+cpu and sim they are no-ops because everything already runs in program order.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import threading
 
 import numpy as np
 
 KINDS = ("auto", "gpu", "cpu", "sim")
+KERNEL_SETS = ("auto", "teaching", "fast")
 MATMULS = ("auto", "cublas", "numba")
 ATTENTIONS = ("auto", "gemm", "direct", "flash")
 
@@ -53,6 +61,31 @@ def resolve(kind: str) -> str:
     if kind == "gpu" and not gpu_available():
         raise RuntimeError("--device gpu: no CUDA GPU visible to CuPy (install llmz[gpu], or use --device cpu)")
     return kind
+
+
+def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
+                 attention: str = "auto") -> tuple[str, str, str]:
+    """(kernel set, matmul, attention) for a resolved device kind and the flags: 'auto' filled in, and a
+    ValueError of one line for a combination that cannot run."""
+    if kernel_set not in KERNEL_SETS or matmul not in MATMULS or attention not in ATTENTIONS:
+        raise ValueError(f"unknown --kernels {kernel_set!r}, --matmul {matmul!r} or --attention {attention!r}")
+    if kernel_set == "auto":
+        kernel_set = "fast" if kind == "gpu" else "teaching"
+    if kernel_set == "fast" and kind == "cpu":
+        raise ValueError("--kernels fast runs on --device gpu or sim (on cpu every layer is its NumPy reference)")
+    if matmul == "cublas" and kind != "gpu":
+        raise ValueError(f"--matmul cublas needs a GPU (the device here is {kind}); use --matmul numba")
+    if matmul == "cublas" and kernel_set != "fast":
+        raise ValueError("--matmul cublas is part of the fast kernels: add --kernels fast (or use --matmul numba)")
+    if matmul == "auto":
+        matmul = "cublas" if kernel_set == "fast" and kind == "gpu" else "numba"
+    if attention == "gemm" and matmul != "cublas":
+        raise ValueError("--attention gemm reads each head in place with cuBLAS: it needs --kernels fast and "
+                         "--matmul cublas on a GPU (use --attention direct)")
+    if attention == "auto":
+        # (the GPU default becomes "flash" here once the H200 measures it faster than "gemm": issue 17)
+        attention = "gemm" if matmul == "cublas" else "direct"
+    return kernel_set, matmul, attention
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -144,23 +177,37 @@ def _thread_safe_simulator_shared() -> None:
     FakeCUDAShared.array = array
 
 
+def _simulator_warp_shuffles() -> None:
+    """Numba's simulator has no warp shuffles; the fast kernels' warp reductions need cuda.shfl_xor_sync.
+    Here it is a post and two block barriers: every thread puts its value in its block's table, the block
+    meets, each thread reads lane ^ offset's value, the block meets again. Right when every live thread of
+    the block shuffles the same number of times, as the fast kernels' warps do (they shuffle in lockstep and
+    a warp leaves a kernel as a whole)."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    def shfl_xor_sync(self, mask, value, offset):
+        me = threading.current_thread()
+        table = me._manager.__dict__.setdefault("llmz_shuffle", {})     # one per block (its manager)
+        table[me.thread_id] = value
+        me.syncthreads()
+        other = table[me.thread_id ^ offset]
+        me.syncthreads()
+        return other
+    FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
+
+
 class Device:
     """Where arrays live and how kernels launch. `dtype` is the compute dtype of parameters/activations."""
 
     def __init__(self, kind: str = "cpu", dtype=np.float32, gpu_index: int = 0, matmul: str = "auto",
-                 attention: str = "auto", tf32: bool = True):
+                 attention: str = "auto", tf32: bool = True, kernel_set: str = "auto"):
         self.kind = resolve(kind)
         self.dtype = np.dtype(dtype)
         self.kernels = self.kind in ("gpu", "sim")       # False: run the NumPy references
-        # how products are computed (llmz.kernels.gemm): cuBLAS on a GPU by default, the tiled Numba kernel
-        # in the simulator; attention as batched products + a softmax kernel, or the direct teaching kernels
-        if matmul not in MATMULS or attention not in ATTENTIONS:
-            raise ValueError(f"unknown matmul {matmul!r} or attention {attention!r}")
-        if matmul == "cublas" and self.kind != "gpu":
-            raise ValueError("--matmul cublas needs --device gpu")
-        self.matmul = matmul if matmul != "auto" else "cublas" if self.kind == "gpu" else "numba"
-        # (the GPU default becomes "flash" here once the H200 measures it faster than "gemm": issue 17)
-        self.attention = attention if attention != "auto" else "gemm" if self.kind == "gpu" else "direct"
+        # which kernels run (--kernels: llmz.kernels, the teaching set, or llmz.fast), how products are
+        # computed (cuBLAS or the tiled kernel) and attention (gemm, direct or flash): kernel_paths
+        self.kernel_set, self.matmul, self.attention = kernel_paths(self.kind, kernel_set, matmul, attention)
+        self.fast = self.kernel_set == "fast"
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None
         self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
@@ -168,6 +215,7 @@ class Device:
         self.block_size = 32 if self.kind == "sim" else 256
         if self.kind == "sim":
             _thread_safe_simulator_shared()
+            _simulator_warp_shuffles()
         if self.kind == "gpu":
             import cupy
             # ranks beyond the GPU count share GPUs (then only --comm mpi works: NCCL refuses)
@@ -226,6 +274,16 @@ class Device:
         with self.compute_stream.cupy:
             return self.xp.asarray(a)
 
+    def memset_zero(self, x, stream=None) -> None:
+        """x = 0, every byte (all-zero bits are +0.0 in float32, float64 and bf16); x C-contiguous. On the GPU one
+        cudaMemsetAsync on the compute stream (or `stream`), capturable into a CUDA graph like a kernel;
+        elsewhere a plain store (everything there runs in program order)."""
+        if self.kind != "gpu":
+            x[...] = 0
+            return
+        with self.region("memset", nbytes=x.nbytes, stream=stream):
+            x.data.memset_async(0, x.nbytes, (stream or self.compute_stream).cupy)
+
     def copy_from_host(self, dst, src: np.ndarray) -> None:
         """dst (on this device) <- src (NumPy), ordered on the compute stream."""
         if self.kind == "gpu":
@@ -262,6 +320,13 @@ class Device:
         with self.region(kernel.py_func.__name__, flops=flops, nbytes=nbytes, stream=stream):
             kernel[grid, block, s, shared](*args)
 
+    def launch_per_element(self, kernel, arrays, *extra, stream=None) -> None:
+        """kernel(*arrays flattened, n, *extra) with one thread per element of the same-size arrays (n of them):
+        the launch of the teaching set's elementwise kernels."""
+        n = arrays[0].size
+        self.launch(kernel, ceil_div(n, self.block_size), self.block_size, *(a.reshape(-1) for a in arrays), n,
+                    *extra, stream=stream)
+
     @contextlib.contextmanager
     def region(self, name: str, flops: int = 0, nbytes: int = 0, stream=None):
         """While self.profile is a list, time the GPU work enqueued inside with two CUDA events and append
@@ -285,4 +350,4 @@ class Device:
         self.comm_stream.synchronize()
 
     def __repr__(self) -> str:
-        return f"Device({self.kind}, {self.dtype})"
+        return f"Device({self.kind}, {self.dtype}, {self.kernel_set} kernels)"

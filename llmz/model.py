@@ -17,16 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fast, kernels
 from .config import GPT2Config
-from .kernels.attention import attention_backward, attention_forward
-from .kernels.classifier import classifier_fused, classifier_loss
-from .kernels.encoder import encoder_backward, encoder_forward
-from .kernels.fill import zero
-from .kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from .kernels.gelu import gelu_backward, gelu_forward
-from .kernels.layernorm import layernorm_backward, layernorm_forward
-from .kernels.matmul import matmul_backward, matmul_forward
-from .kernels.residual import residual_forward
 from .layout import Layout
 
 
@@ -90,9 +82,6 @@ class Activations:
         self.lnf_rstd = zs((B, T))
         self.logits = z((B, T, Vp))             # overwritten in place by dlogits in backward
         self.losses = zs((B, T))
-        # attention's gemm path on the tiled product keeps q, k, v head-major for backward (llm.c's qkvr)
-        if dev.kernels and dev.attention == "gemm" and dev.matmul != "cublas":
-            self.qkvr = z((L, 3, B, NH, T, C // NH))
         # backward scratch, reused by every block
         self.dresidual = z((B, T, C))           # gradient flowing down the residual stream
         self.dbtc = z((B, T, C))                # dlnf, then per block dln2, datty, dln1
@@ -117,8 +106,11 @@ class GPT2:
         self.config, self.dev, self.B, self.T = config, dev, B, T
         self.layout = None
         self.acts = Activations(config, dev, B, T)
-        # the batch's positions sorted by token (llmz.kernels.encoder.wte_buckets, built on the host by
-        # whoever uploads the batch): the fast deterministic wte backward; None: the teaching kernel
+        # the layer functions: the teaching kernels (llmz/kernels/) or the fast ones (llmz/fast/), as --kernels
+        # chose; the same names and arguments in both
+        self.kernels = fast if dev.fast else kernels
+        # the batch's positions sorted by token (llmz.fast.encoder.wte_buckets, built on the host by whoever
+        # uploads the batch): the fast wte backward; None: the teaching kernel (which needs none)
         self.wte_buckets = None
 
     def forward(self, p, inputs, targets=None) -> None:
@@ -126,95 +118,90 @@ class GPT2:
         inputs, targets: (B, T) int32 on the device.
         Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync.
         backward recomputes the losses itself, so a training step may call forward without targets."""
-        dev, a, c = self.dev, self.acts, self.config
+        dev, a, c, k = self.dev, self.acts, self.config, self.kernels
         L = c.num_layers
         emb = p.bucket(0)
-        encoder_forward(dev, a.encoded, inputs, emb["wte"], emb["wpe"])
+        k.encoder_forward(dev, a.encoded, inputs, emb["wte"], emb["wpe"])
         for layer in range(L):
             w = p.bucket(1 + layer)
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # attention branch: x + attproj(attention(qkv(ln1(x))))
-            layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
-                              w["ln1w"], w["ln1b"])
-            matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
+            k.layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
+                                w["ln1w"], w["ln1b"])
+            k.matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
             if dev.attention == "flash":
-                flash_attention_forward(dev, a.atty[layer], a.lse[layer], a.qkv[layer], c.num_heads)
+                k.flash_attention_forward(dev, a.atty[layer], a.lse[layer], a.qkv[layer], c.num_heads)
             else:
-                attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
-                                  self.qkvr(layer), upper_is_zero=True)
-            matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
-            residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
+                k.attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
+                                    upper_is_zero=True)
+            k.matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
+            k.residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
             # MLP branch: x + fcproj(gelu(fc(ln2(x))))
-            layernorm_forward(dev, a.ln2[layer], a.ln2_mean[layer], a.ln2_rstd[layer], a.residual2[layer],
-                              w["ln2w"], w["ln2b"])
-            matmul_forward(dev, a.fch[layer], a.ln2[layer], w["fcw"], w["fcb"])
-            gelu_forward(dev, a.fch_gelu[layer], a.fch[layer])
-            matmul_forward(dev, a.fcproj[layer], a.fch_gelu[layer], w["fcprojw"], w["fcprojb"])
-            residual_forward(dev, a.residual3[layer], a.residual2[layer], a.fcproj[layer])
+            k.layernorm_forward(dev, a.ln2[layer], a.ln2_mean[layer], a.ln2_rstd[layer], a.residual2[layer],
+                                w["ln2w"], w["ln2b"])
+            k.matmul_forward(dev, a.fch[layer], a.ln2[layer], w["fcw"], w["fcb"])
+            k.gelu_forward(dev, a.fch_gelu[layer], a.fch[layer])
+            k.matmul_forward(dev, a.fcproj[layer], a.fch_gelu[layer], w["fcprojw"], w["fcprojb"])
+            k.residual_forward(dev, a.residual3[layer], a.residual2[layer], a.fcproj[layer])
         lnf = p.bucket(L + 1)
-        layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
-        matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
+        k.layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
+        k.matmul_forward(dev, a.logits, a.lnf, emb["wte"], None)        # tied weights: logits = lnf @ wte.T
         if targets is not None:
-            # the losses only: one read of the logits
-            classifier_loss(dev, a.losses, a.logits, targets, c.vocab_size)
+            # the losses only (the fast set: one read of the logits)
+            k.classifier_loss(dev, a.losses, a.logits, targets, c.vocab_size)
 
-    def backward(self, p: list[dict], grads, inputs, targets, dloss: float) -> None:
+    def backward(self, p, grads, inputs, targets, dloss: float) -> None:
         """Accumulates (+=) d(loss)/d(parameters) into the buffers `grads.bucket(b)` names, where
         loss = dloss * sum of per-position losses (dloss = 1/(B*T*K) for the mean over K micro-steps).
         Needs the activations of forward(p, inputs); overwrites acts.losses (the same values as forward's).
         No host sync."""
-        dev, a, c = self.dev, self.acts, self.config
+        dev, a, c, k = self.dev, self.acts, self.config, self.kernels
         L, NH = c.num_layers, c.num_heads
         emb, lnf = p.bucket(0), p.bucket(L + 1)
-        # classifier, fused (llm.c's fused_classifier): the losses, and dlogits = (softmax - onehot) * dloss
-        # written over the logits, in one kernel that never materialises the probabilities
-        classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
+        # classifier (llm.c's fused_classifier): the losses, and dlogits = (softmax - onehot) * dloss written
+        # over the logits (the fast set: one kernel that never materialises the probabilities)
+        k.classifier_fused(dev, a.losses, a.logits, targets, dloss, c.vocab_size)
         dlogits = a.logits
         # the backward scratch (dbtc, dfch_gelu, dfch, dqkv) is overwritten by the first layer that writes it
         # (beta=0 products, overwriting kernels): no zeroing; dresidual is accumulated into, so zeroed once
         gemb = grads.bucket(0)
-        matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"], dinp_accumulate=False)
+        k.matmul_backward(dev, a.dbtc, gemb["wte"], None, dlogits, a.lnf, emb["wte"], dinp_accumulate=False)
         # final layernorm: its bucket is complete now
         glnf = grads.bucket(L + 1)
-        zero(dev, a.dresidual)
-        layernorm_backward(dev, a.dresidual, glnf["lnfw"], glnf["lnfb"], a.dbtc, a.residual3[L - 1],
-                           lnf["lnfw"], a.lnf_mean, a.lnf_rstd)
+        k.zero(dev, a.dresidual)
+        k.layernorm_backward(dev, a.dresidual, glnf["lnfw"], glnf["lnfb"], a.dbtc, a.residual3[L - 1],
+                             lnf["lnfw"], a.lnf_mean, a.lnf_rstd)
         grads.done(L + 1)
         for layer in reversed(range(L)):
             w, g = p.bucket(1 + layer), grads.bucket(1 + layer)
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # dresidual holds d(residual3). A residual add passes its gradient through unchanged to both
             # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.
-            matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
-                            w["fcprojw"], dinp_accumulate=False)
-            gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu, accumulate=False)
-            matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"],
-                            dinp_accumulate=False)
-            layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],
-                               w["ln2w"], a.ln2_mean[layer], a.ln2_rstd[layer])
+            k.matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
+                              w["fcprojw"], dinp_accumulate=False)
+            k.gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu, accumulate=False)
+            k.matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"],
+                              dinp_accumulate=False)
+            k.layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],
+                                 w["ln2w"], a.ln2_mean[layer], a.ln2_rstd[layer])
             # dresidual now holds d(residual2): the attention branch
-            matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
-                            w["attprojw"], dinp_accumulate=False)
+            k.matmul_backward(dev, a.dbtc, g["attprojw"], g["attprojb"], a.dresidual, a.atty[layer],
+                              w["attprojw"], dinp_accumulate=False)
             if dev.attention == "flash":
-                flash_attention_backward(dev, a.dqkv, a.dbtc, a.qkv[layer], a.atty[layer], a.lse[layer], NH,
-                                         accumulate=False)
+                k.flash_attention_backward(dev, a.dqkv, a.dbtc, a.qkv[layer], a.atty[layer], a.lse[layer], NH,
+                                           accumulate=False)
             else:
-                attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
-                                   self.qkvr(layer), accumulate=False, upper_is_zero=True)
-            matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"],
-                            dinp_accumulate=False)
-            layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
-                               w["ln1w"], a.ln1_mean[layer], a.ln1_rstd[layer])
+                k.attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
+                                     accumulate=False, upper_is_zero=True)
+            k.matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"],
+                              dinp_accumulate=False)
+            k.layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
+                                 w["ln1w"], a.ln1_mean[layer], a.ln1_rstd[layer])
             # dresidual now holds d(block input); this block's bucket is complete
             grads.done(1 + layer)
         gemb = grads.bucket(0)
-        encoder_backward(dev, gemb["wte"], gemb["wpe"], a.dresidual, inputs, buckets=self.wte_buckets)
+        k.encoder_backward(dev, gemb["wte"], gemb["wpe"], a.dresidual, inputs, buckets=self.wte_buckets)
         grads.done(0)
-
-    def qkvr(self, layer: int):
-        """Layer's head-major q, k, v (attention's gemm path), else None."""
-        q = getattr(self.acts, "qkvr", None)
-        return None if q is None else q[layer]
 
     # ---- conveniences for scripts and tests (host side) -----------------------------------------
     def mean_loss(self) -> float:

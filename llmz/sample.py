@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from .bf16 import bf16_to_f32
-from .device import KINDS, resolve
+from .device import KERNEL_SETS, KINDS, resolve
 
 
 def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0,
@@ -62,6 +62,8 @@ def build_parser():
       "--prompt with one)")
     a("--device", choices=KINDS, default="auto", help="gpu, cpu or sim (Numba's CUDA simulator); auto: gpu if "
       "there is one")
+    a("--kernels", choices=KERNEL_SETS, default="auto", help="fast (llmz/fast/) or teaching (llmz/kernels/); "
+      "auto: fast on a GPU, teaching elsewhere")
     a("--seq-len", type=int, default=None, help="the window the model sees (default: the model's maxT, at "
       "most 256)")
     a("--temperature", type=float, default=1.0, help="divides the logits; 0 = always the most likely token")
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         from .tokenizer import TextStream
         _, llmc = load_model(args.init_from)
         layout = Layout(cfg, 1)
-        dev = Device(kind, np.float32)
+        dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)
         T = args.seq_len or min(cfg.max_seq_len, 256)
         model = GPT2(cfg, dev, 1, T)

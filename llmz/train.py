@@ -16,7 +16,7 @@ import numpy as np
 
 from .args import TRACE_STAGES
 from .bf16 import bf16_to_f32
-from .device import ATTENTIONS, KINDS, MATMULS, resolve
+from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 
 # storage dtype of each --precision: bf16 values are kept as their uint16 bit patterns (llmz.bf16)
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "bf16": np.uint16}
@@ -37,11 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
       "parameters, gradients and activations in bf16, fp32 master weights, m, v, layernorm statistics and "
       "losses, stochastic rounding in AdamW and in ZeRO-2's accumulation")
     a("--comm", choices=("auto", "nccl", "mpi"), default="auto", help="collective backend between ranks")
-    a("--matmul", choices=MATMULS, default="auto", help="cublas (GPU default: cuBLAS via CuPy, TF32 for "
-      "fp32) or numba (the tiled teaching kernel; the simulator's default)")
-    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (GPU default: batched products + a "
-      "softmax kernel, llm.c's non-cuDNN path), direct (one teaching kernel per step of the math) or flash "
-      "(FlashAttention-2: no T x T buffers; tensor cores for bf16 with the fast kernels)")
+    a("--kernels", choices=KERNEL_SETS, default="auto", help="fast (GPU default: llmz/fast/, the kernels that "
+      "won) or teaching (llmz/kernels/: the simplest correct kernel per layer; the default in the simulator, "
+      "and on cpu, where it means the NumPy references)")
+    a("--matmul", choices=MATMULS, default="auto", help="the products: cublas (cuBLAS, TF32 for fp32; the "
+      "default with --kernels fast on a GPU) or numba (the tiled teaching kernel)")
+    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (the default with cuBLAS: batched "
+      "per-head products around a softmax kernel, llm.c's non-cuDNN path), direct (the teaching kernels, one "
+      "per step of the math) or flash (FlashAttention-2: no T x T buffers; on tensor cores for bf16 with "
+      "--kernels fast)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
@@ -201,7 +205,7 @@ class Run:
         dtype = PRECISIONS[args.precision]
         from .device import Device
         self.dev = Device(kind, dtype, gpu_index=ranks.local_rank, matmul=args.matmul,
-                          attention=args.attention, tf32=not args.no_tf32)
+                          attention=args.attention, tf32=not args.no_tf32, kernel_set=args.kernels)
         self.comm = comm.make_communicator(args.comm, ranks, self.dev)
         self.tok = tokenizer.load_tokenizer(args.tokenizer)
         # model: a checkpoint to resume, an llm.c file, or a preset (llmz.args.check_train has checked
@@ -414,9 +418,8 @@ class Run:
         Returns the step's mean loss (over all micro-steps and ranks, before the update) and grad norm.
         On the GPU both parts replay as CUDA graphs (llmz.graph); the loss and the norm are read once, at
         the end."""
-        from .kernels.fill import zero
         z = self.zero
-        zero(self.dev, self.loss_sum)
+        self.model.kernels.zero(self.dev, self.loss_sum)
         K = self.args.grad_accum
         for micro in range(K):
             z.set_micro_step(step * K + micro)        # bf16 stage 2: fresh rounding draws every micro-step
@@ -443,8 +446,8 @@ class Run:
 
     def next_batch(self, loader, backward: bool = False) -> None:
         """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream). backward:
-        the batch's backward follows, so on the GPU also its positions sorted by token (the fast wte backward;
-        a forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it is this
+        the batch's backward follows, so with the fast kernels also its positions sorted by token (their wte
+        backward; a forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it is this
         batch's."""
         prepared = self.prepared
         if prepared is None or prepared[:2] != (loader, loader.position):
@@ -455,16 +458,16 @@ class Run:
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
         if backward and table is not None:
-            from .kernels.encoder import wte_buckets_upload
+            from .fast.encoder import wte_buckets_upload
             self.model.wte_buckets = wte_buckets_upload(self.dev, x, table)
 
     def prepare_batch(self, loader, backward: bool = True) -> tuple:
-        """The host side of the loader's next batch: (loader, position, x, y, its wte bucket table on the GPU
-        for a backward, else None), kept for next_batch. Called while the GPU is busy (after the update is
+        """The host side of the loader's next batch: (loader, position, x, y, its wte bucket table for a
+        backward with the fast kernels, else None), kept for next_batch. Called while the GPU is busy (after the update is
         queued), so the sort of the next batch's tokens (~2-3 ms at B=16, T=1024) costs no GPU time."""
-        from .kernels.encoder import wte_buckets
+        from .fast.encoder import wte_buckets
         x, y = loader.peek()
-        table = wte_buckets(x) if backward and self.dev.kind == "gpu" else None
+        table = wte_buckets(x) if backward and self.dev.fast else None
         self.prepared = (loader, loader.position, x, y, table)
         return self.prepared
 
@@ -568,7 +571,10 @@ def train(args, kind: str, ranks) -> dict:
         notes = agree(ranks, lambda: take_locks(args, locks) if r0 else [])
         run = Run(args, kind, ranks)
         c = run.config
-        say(f"llmz: {run.dev.kind} {args.precision}, {ranks.world_size} rank(s), comm {run.comm.name}, "
+        d = run.dev
+        kernels = (f"{d.kernel_set} kernels (matmul {d.matmul}, attention {d.attention})" if d.kernels
+                   else "the NumPy references")
+        say(f"llmz: {d.kind} {args.precision}, {kernels}, {ranks.world_size} rank(s), comm {run.comm.name}, "
             f"ZeRO stage {args.zero_stage}")
         say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
             f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fast, kernels
 from .bf16 import f32_to_bf16, f32_to_bf16_stochastic
-from .kernels.accumulate import accumulate_shard, accumulate_shard_bf16
-from .kernels.adamw import adamw_update, adamw_update_bf16
-from .kernels.fill import zero
-from .kernels.norm import NORM_BLOCKS, clip_scale, norm_squared
+from .kernels.norm import NORM_BLOCKS
 from .layout import Layout
 from .model import FullParams
 from .optim import AdamW
@@ -49,6 +47,7 @@ class ZeroStage:
         assert layout.world_size == self.world_size
         self.overlap = overlap
         self.tracer = tracer
+        self.kernels = fast if dev.fast else kernels    # the layer functions, as in llmz.model
         self.allocated: dict[str, int] = {}          # category -> bytes this object allocated (memory report)
         # bf16 (parameters, gradients and activations as uint16 bit patterns): AdamW updates an fp32 master
         # copy of what this rank owns and writes the bf16 parameters from it with stochastic rounding; the
@@ -151,12 +150,12 @@ class ZeroStage:
         dev = self.dev
         self.reduce_gradients()
         for i, g in enumerate(self.owned_grads()):
-            norm_squared(dev, self.norm_sq, g, self.norm_scratch, accumulate=i > 0)
+            self.kernels.norm_squared(dev, self.norm_sq, g, self.norm_scratch, accumulate=i > 0)
         if self.stage > 0:
             self.comm_waits_for_compute()
             self.comm.all_reduce(self.norm_sq, op="sum")
             self.compute_waits_for_comm()
-        clip_scale(dev, self.scalars, self.norm_sq, self.opt.grad_clip)
+        self.kernels.clip_scale(dev, self.scalars, self.norm_sq, self.opt.grad_clip)
         self.adamw()
         self.gather_parameters()
         self.zero_grad()
@@ -172,7 +171,7 @@ class ZeroStage:
     def adamw(self) -> None:
         """AdamW on what this rank owns: every bucket whole at stage 0, my slice of each at stages 1-3.
         m and v hold those stretches one after another (owned_ranges)."""
-        L, o = self.layout, self.opt
+        L, o, k = self.layout, self.opt, self.kernels
         at = 0
         for b, s, e in self.owned_ranges():
             n = e - s
@@ -181,12 +180,12 @@ class ZeroStage:
             if self.bf16:
                 # the fp32 master moves; the bf16 parameter is its stochastic rounding, element i of the
                 # whole buffer drawing at hash index b.offset + s + i (the same bits on every rank and stage)
-                adamw_update_bf16(self.dev, p, self.master[at:at + n], g, m, v, L.decay_size_in(b, s, e),
-                                  self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay, self.seed,
-                                  offset=b.offset + s)
+                k.adamw_update_bf16(self.dev, p, self.master[at:at + n], g, m, v, L.decay_size_in(b, s, e),
+                                    self.scalars, o.beta1, o.beta2, o.eps, o.weight_decay, self.seed,
+                                    offset=b.offset + s)
             else:
-                adamw_update(self.dev, p, g, m, v, L.decay_size_in(b, s, e), self.scalars, o.beta1, o.beta2,
-                             o.eps, o.weight_decay)
+                k.adamw_update(self.dev, p, g, m, v, L.decay_size_in(b, s, e), self.scalars, o.beta1, o.beta2,
+                               o.eps, o.weight_decay)
             at += n
 
     def gather_parameters(self) -> None:
@@ -271,7 +270,7 @@ class Stage0(ZeroStage):
         return self.layout.bucket_buffer(self.grads, b)[start:end]
 
     def zero_grad(self) -> None:
-        zero(self.dev, self.grads)
+        self.kernels.zero(self.dev, self.grads)
 
 
 class Stage1(Stage0):
@@ -334,7 +333,7 @@ class Stage2(ZeroStage):
 
     def done(self, b: int) -> None:
         """Bucket b's gradients are complete: reduce-scatter it on the comm stream and accumulate my part."""
-        dev, L = self.dev, self.layout
+        dev, L, k = self.dev, self.layout, self.kernels
         bucket = L.buckets[b]
         buf = self._buffer(b)[:bucket.padded_size]
         if self.tracer:
@@ -347,12 +346,12 @@ class Stage2(ZeroStage):
         if self.bf16:
             # add in fp32, round back to bf16 stochastically: element j of the shard draws at its place in
             # the whole buffer, a fresh word every micro-step
-            accumulate_shard_bf16(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank, self.seed,
-                                  self.micro_step, stream=dev.comm_stream,
-                                  offset=bucket.offset + L.shard_range(bucket, self.rank)[0])
+            k.accumulate_shard_bf16(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank, self.seed,
+                                    self.micro_step, stream=dev.comm_stream,
+                                    offset=bucket.offset + L.shard_range(bucket, self.rank)[0])
         else:
-            accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
-                             stream=dev.comm_stream)
+            k.accumulate_shard(dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank,
+                               stream=dev.comm_stream)
         if self.tracer:
             self.tracer.end(f"reduce-scatter {bucket.name}", "comm")
         self.reduce_scatters_in_backward += 1
@@ -387,7 +386,7 @@ class Stage2(ZeroStage):
         self._all_gather_parameters()
 
     def zero_grad(self) -> None:
-        zero(self.dev, self.grad_shard)
+        self.kernels.zero(self.dev, self.grad_shard)
 
 
 class Stage3(Stage2):

@@ -46,29 +46,43 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def kdev():
-    """The device that runs the Numba teaching kernels (tiled matmul, direct attention): the simulator on
-    CI, the real GPU where there is one."""
+    """The teaching kernels (llmz/kernels/: the tiled matmul, direct attention): the simulator on CI, the real GPU
+    where there is one."""
     from llmz.device import Device
-    return Device("gpu" if HAVE_GPU else "sim", np.float32, matmul="numba", attention="direct")
+    return Device("gpu" if HAVE_GPU else "sim", np.float32, kernel_set="teaching")
 
 
 @pytest.fixture(scope="session")
 def fdev():
-    """The fast path: on a GPU cuBLAS (TF32) products and gemm attention; in the simulator the same gemm
-    attention algorithm on the tiled product, so its Numba kernels (head split/merge, row softmax) run on CI."""
+    """The fast kernels (llmz/fast/): on a GPU with cuBLAS (TF32) products and gemm attention; in the simulator
+    (warp shuffles emulated) with the tiled product and direct attention, the rest of the fast set as on a GPU."""
     from llmz.device import Device
-    if HAVE_GPU:
-        return Device("gpu", np.float32, matmul="cublas", attention="gemm")
-    return Device("sim", np.float32, matmul="numba", attention="gemm")
+    return Device("gpu" if HAVE_GPU else "sim", np.float32, kernel_set="fast")
 
 
 @pytest.fixture(scope="session")
 def fdev_exact():
-    """cuBLAS in full fp32 (TF32 off) with gemm attention: the fast path's wiring checked to fp32 accuracy."""
+    """The fast kernels with cuBLAS in full fp32 (TF32 off) and gemm attention: their wiring checked to fp32
+    accuracy (a GPU only)."""
     if not HAVE_GPU:
         pytest.skip("needs a CUDA GPU (CuPy sees none)")
     from llmz.device import Device
-    return Device("gpu", np.float32, matmul="cublas", attention="gemm", tf32=False)
+    return Device("gpu", np.float32, kernel_set="fast", tf32=False)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """launched(dev): from then on (this test), the names of the kernels dev launches, in order, collect in the
+    list it returns (dev still launches them)."""
+    def record(dev):
+        names, launch = [], dev.launch
+
+        def recording(kernel, *args, **kw):
+            names.append(kernel.py_func.__name__)
+            launch(kernel, *args, **kw)
+        monkeypatch.setattr(dev, "launch", recording)
+        return names
+    return record
 
 
 @pytest.fixture(scope="session")

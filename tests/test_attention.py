@@ -1,13 +1,24 @@
-"""Attention: the kernels against the NumPy reference, the reference against finite differences, causality."""
+"""Attention (llmz/kernels/attention.py, the teaching kernels: one per line of the math): against the NumPy
+reference, the reference against finite differences, causality, bf16 storage. The fast path (cuBLAS products,
+the warp softmax): tests/test_fast_attention.py."""
+import math
+
 import numpy as np
 import pytest
 
-from helpers import finite_diff, poisoned, rel_err
+from helpers import NAN_BF16, REL_BF16, finite_diff, poisoned, rand_bf16, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
+from llmz.device import ceil_div
 from llmz.kernels.attention import (
     attention_backward,
     attention_backward_ref,
+    attention_dinp_kernel,
     attention_forward,
     attention_forward_ref,
+    attention_scores_kernel,
+    attention_softmax_backward_kernel,
+    attention_softmax_kernel,
+    attention_values_kernel,
 )
 
 B, T, C, NH = 2, 5, 12, 3          # head size 4
@@ -68,23 +79,19 @@ def test_attention_backward_kernel_matches_reference_and_overwrites_scratch(kdev
     assert rel_err(kdev.to_host(dpreatt), rdpreatt) < 1e-6
 
 
-@pytest.mark.parametrize("path", ["direct", "gemm"])
-def test_attention_backward_overwrites_dinp_when_asked(kdev, fdev, rng, path):
-    dev = kdev if path == "direct" else fdev
+def test_attention_backward_overwrites_dinp_when_asked(kdev, rng):
     inp = rng.normal(size=(B, T, 3 * C))
     dout = rng.normal(size=(B, T, C))
-    _, _, att, qkvr = _forward_fast(fdev, inp, NH) if path == "gemm" else (None, None, None, None)
-    att_h = _forward_ref(inp, NH)[2] if path == "direct" else fdev.to_host(att).astype(np.float64)
+    att = _forward_ref(inp, NH)[2]
     # dinp starts as NaN: a kernel that read it (accumulated) would leave NaN
-    dinp = poisoned(dev, inp.shape)
-    dpreatt, datt = poisoned(dev, att_h.shape), poisoned(dev, att_h.shape)
-    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout, np.float32), dev.asarray(inp, np.float32),
-                       dev.asarray(att_h, np.float32), NH, qkvr, accumulate=False)
+    dinp = poisoned(kdev, inp.shape)
+    dpreatt, datt = poisoned(kdev, att.shape), poisoned(kdev, att.shape)
+    attention_backward(kdev, dinp, dpreatt, datt, kdev.asarray(dout, np.float32), kdev.asarray(inp, np.float32),
+                       kdev.asarray(att, np.float32), NH, accumulate=False)
     rdinp = np.full(inp.shape, np.nan)
-    attention_backward_ref(rdinp, np.empty(att_h.shape), np.empty(att_h.shape), dout, inp, att_h, NH,
-                           accumulate=False)
-    # as the accumulating tests: a few ulps (TF32 on a GPU: ~1e-3)
-    assert rel_err(dev.to_host(dinp), rdinp) < (5e-3 if dev.matmul == "cublas" else 1e-6)
+    attention_backward_ref(rdinp, np.empty(att.shape), np.empty(att.shape), dout, inp, att, NH, accumulate=False)
+    # as the accumulating test: a few ulps
+    assert rel_err(kdev.to_host(dinp), rdinp) < 1e-6
 
 
 def test_attention_reference_backward_matches_finite_differences(rng):
@@ -134,119 +141,140 @@ def test_attention_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
     assert max(err.values()) < 1e-5
 
 
-# ---- the gemm path: head-major products + row softmax (the simulator runs it on the tiled product) --------
-def _forward_fast(fdev, inp, NH):
-    B, T, C3 = inp.shape
-    C = C3 // 3
-    out, preatt, att = poisoned(fdev, (B, T, C)), poisoned(fdev, (B, NH, T, T)), poisoned(fdev, (B, NH, T, T))
-    qkvr = poisoned(fdev, (3, B, NH, T, C // NH))
-    attention_forward(fdev, out, preatt, att, fdev.asarray(inp, np.float32), NH, qkvr)
-    return out, preatt, att, qkvr
+# ---- bf16 storage --------------------------------------------------------------------------------
+# the direct softmax rounds twice in bf16 (the stored exponential, then the normalised value)
+REL_TWO_ROUNDINGS = 2 * REL_BF16 + REL_BF16 ** 2
 
 
-def test_attention_gemm_path_forward_and_backward_match_reference(fdev, rng):
-    inp = rng.normal(size=(B, T, 3 * C))
-    dout = rng.normal(size=(B, T, C))
-    out, preatt, att, qkvr = _forward_fast(fdev, inp, NH)
-    want = _forward_ref(inp, NH)
-    lower = np.tril(np.ones((T, T), dtype=bool))
-    # float32 inputs, products of 4 terms, float32 exp: a few ulps (TF32 on a GPU: ~1e-3)
-    tol = 5e-3 if fdev.matmul == "cublas" else 1e-6
-    assert rel_err(fdev.to_host(out), want[0]) < tol
-    assert rel_err(fdev.to_host(att), want[2]) < tol
-    # preatt is defined on and below the diagonal; att is exactly 0 above it
-    assert rel_err(fdev.to_host(preatt)[..., lower], want[1][..., lower]) < tol
-    assert np.all(fdev.to_host(att)[..., ~lower] == 0)
-    # backward from the same att; dinp accumulates, dpreatt and datt are scratch
-    dinp0 = rng.normal(size=inp.shape)
-    dinp = fdev.asarray(dinp0, np.float32)
-    dpreatt, datt = poisoned(fdev, want[2].shape), poisoned(fdev, want[2].shape)
-    attention_backward(fdev, dinp, dpreatt, datt, fdev.asarray(dout, np.float32), fdev.asarray(inp, np.float32),
-                       att, NH, qkvr)
-    rdinp = dinp0.copy()
-    attention_backward_ref(rdinp, np.empty(want[2].shape), np.empty(want[2].shape), dout, inp,
-                           fdev.to_host(att).astype(np.float64), NH)
-    assert rel_err(fdev.to_host(dinp), rdinp) < tol
+# ---- helpers ------------------------------------------------------------------------------------------
+def poison(shape):
+    return np.full(shape, NAN_BF16, np.uint16)
+
+
+SB, ST, SNH, SHS = 1, 5, 2, 4        # bf16 sizes: C = 8, one block of 32 threads covers most launches; T=5 ragged
+SC = SNH * SHS
+
+
+def run_both(dev, kernel, grid, block, args, outs):
+    """Launch `kernel` on args as given (host arrays go to the device; uint16 = bf16 bits) and on float32
+    copies of every uint16 array. Returns the outputs at positions `outs`: (bf16 run, float32 run), on the host."""
+    def dev_args(widen):
+        return [dev.asarray(bf16_to_f32(a) if widen and a.dtype == np.uint16 else a)
+                if isinstance(a, np.ndarray) else a for a in args]
+    d16, d32 = dev_args(False), dev_args(True)
+    dev.launch(kernel, grid, block, *d16)
+    dev.launch(kernel, grid, block, *d32)
+    return [dev.to_host(d16[k]) for k in outs], [dev.to_host(d32[k]) for k in outs]
+
+
+def assert_rounded_bits(got_bits, want32):
+    """got: uint16 from the bf16 run; want32: float32 from the float32 run. Bit for bit round_to_nearest."""
+    assert not np.any(np.isnan(bf16_to_f32(got_bits))), "NaN in the output: an element was not written"
+    assert not np.any(np.isnan(want32))
+    np.testing.assert_array_equal(got_bits, f32_to_bf16(want32))
+
+
+def worst_rel(got_bits, want32):
+    got, want = bf16_to_f32(got_bits).astype(np.float64), want32.astype(np.float64)
+    return float((np.abs(got - want) / np.maximum(np.abs(want), np.finfo(np.float32).tiny)).max())
+
+
+def check(dev, kernel, grid, block, args, outs, rel=None, name=""):
+    """Every output of the bf16 run is the float32 run rounded to bf16: bit for bit (rel None), or within
+    rel of it per element (printing the worst)."""
+    got, want = run_both(dev, kernel, grid, block, args, outs)
+    for g, w in zip(got, want):
+        if g.dtype != np.uint16:            # a float output from bf16 inputs: the same float32 arithmetic
+            np.testing.assert_array_equal(g, w)
+        elif rel is None:
+            assert_rounded_bits(g, w)
+        else:
+            err = worst_rel(g, w)
+            print(f"{name}: worst relative error per element {err:.3e} (bound {rel:.3e})")
+            assert not np.any(np.isnan(bf16_to_f32(g))) and err <= rel
+
+
+def causal(rng, shape, scale=1.0):
+    """Random bf16 (R..,T,T) rows, zero above the diagonal (as preatt, att, datt are)."""
+    x = bf16_to_f32(rand_bf16(rng, shape, scale))
+    x[..., np.triu(np.ones(shape[-2:], dtype=bool), k=1)] = 0
+    return f32_to_bf16(x)
+
+
+# ---- direct attention kernels: one kernel at a time, on the bf16 run's own inputs ----------------------
+def test_attention_scores_kernel_on_bf16_is_the_float32_kernel_rounded(kdev, rng):
+    inp, dout = rand_bf16(rng, (SB, ST, 3 * SC)), rand_bf16(rng, (SB, ST, SC))
+    n = SB * SNH * ST * ST
+    # forward: preatt from q and k; backward: datt from dout and v
+    check(kdev, attention_scores_kernel, ceil_div(n, kdev.block_size), kdev.block_size,
+          [poison((SB, SNH, ST, ST)), inp, 0, inp, SC, SHS, 1.0 / math.sqrt(SHS)], [0])
+    check(kdev, attention_scores_kernel, ceil_div(n, kdev.block_size), kdev.block_size,
+          [poison((SB, SNH, ST, ST)), dout, 0, inp, 2 * SC, SHS, 1.0], [0])
+
+
+def test_attention_softmax_kernel_on_bf16_is_within_two_roundings_of_float32(kdev, rng):
+    preatt = causal(rng, (SB, SNH, ST, ST), 2.0)
+    check(kdev, attention_softmax_kernel, ceil_div(SB * SNH * ST, kdev.block_size), kdev.block_size,
+          [poison((SB, SNH, ST, ST)), preatt], [0], rel=REL_TWO_ROUNDINGS, name="direct softmax")
+
+
+def test_attention_values_and_softmax_backward_kernels_on_bf16_are_the_float32_kernels_rounded(kdev, rng):
+    att, datt, inp = causal(rng, (SB, SNH, ST, ST)), causal(rng, (SB, SNH, ST, ST)), rand_bf16(rng, (SB, ST, 3 * SC))
+    bs = kdev.block_size
+    check(kdev, attention_values_kernel, ceil_div(SB * ST * SC, bs), bs, [poison((SB, ST, SC)), att, inp], [0])
+    check(kdev, attention_softmax_backward_kernel, ceil_div(SB * SNH * ST, bs), bs,
+          [poison((SB, SNH, ST, ST)), datt, att], [0])
+
+
+def test_attention_dinp_kernel_on_bf16_accumulates_the_float32_kernel_rounded(kdev, rng):
+    dpreatt, att = causal(rng, (SB, SNH, ST, ST)), causal(rng, (SB, SNH, ST, ST))
+    dout, inp = rand_bf16(rng, (SB, ST, SC)), rand_bf16(rng, (SB, ST, 3 * SC))
+    dinp0 = rand_bf16(rng, (SB, ST, 3 * SC))                                # accumulates: starts random
+    check(kdev, attention_dinp_kernel, ceil_div(SB * ST * SC, kdev.block_size), kdev.block_size,
+          [dinp0, dpreatt, att, dout, inp, 1.0 / math.sqrt(SHS)], [0])
+
+
+def test_attention_layer_on_bf16_is_close_to_the_bf16_reference(kdev, rng):
+    inp, dout, dinp0 = rand_bf16(rng, (SB, ST, 3 * SC)), rand_bf16(rng, (SB, ST, SC)), rand_bf16(rng, (SB, ST, 3 * SC))
+    out, preatt, att = (kdev.asarray(poison(s)) for s in ((SB, ST, SC), (SB, SNH, ST, ST), (SB, SNH, ST, ST)))
+    attention_forward(kdev, out, preatt, att, kdev.asarray(inp), SNH)
+    dinp, dpre, datt = kdev.asarray(dinp0), kdev.asarray(poison((SB, SNH, ST, ST))), kdev.asarray(poison((SB, SNH, ST, ST)))
+    attention_backward(kdev, dinp, dpre, datt, kdev.asarray(dout), kdev.asarray(inp), att, SNH)
+    r_out, r_pre, r_att = poison((SB, ST, SC)), poison((SB, SNH, ST, ST)), poison((SB, SNH, ST, ST))
+    attention_forward_ref(r_out, r_pre, r_att, inp, SNH)
+    r_dinp, r_dpre, r_datt = dinp0.copy(), poison((SB, SNH, ST, ST)), poison((SB, SNH, ST, ST))
+    attention_backward_ref(r_dinp, r_dpre, r_datt, dout, inp, r_att, SNH)
+    # the kernels round every intermediate (preatt, att twice, datt, dpreatt) to bf16, the reference only its
+    # outputs: a few bf16 steps (2^-8 relative each) carried through exp and sums of 5 terms of size ~1
+    for got, want in ((out, r_out), (preatt, r_pre), (att, r_att), (dinp, r_dinp), (dpre, r_dpre), (datt, r_datt)):
+        g = bf16_to_f32(kdev.to_host(got))
+        assert not np.any(np.isnan(g))
+        np.testing.assert_allclose(g, bf16_to_f32(want), rtol=2 ** -5, atol=2 ** -5)
+
+
+# ---- on the GPU at GPT-2 size: each bf16 kernel against the float32 kernel on the same (widened) inputs ----
+GB, GT, GC, GNH = 4, 1024, 768, 12
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", ["tf32", "fp32"])
-def test_attention_gemm_path_matches_float64_reference_at_gpt2_size(fdev, fdev_exact, rng, which):
-    dev = fdev if which == "tf32" else fdev_exact
-    B, T, C, NH = 4, 1024, 768, 12
-    inp = rng.normal(size=(B, T, 3 * C)).astype(np.float32)
-    dout = rng.normal(size=(B, T, C)).astype(np.float32)
-    out, preatt, att, qkvr = _forward_fast(dev, inp, NH)
-    want = _forward_ref(inp.astype(np.float64), NH)
-    err = {"out": rel_err(dev.to_host(out), want[0]), "att": rel_err(dev.to_host(att), want[2])}
-    del want, preatt
-    att32 = dev.to_host(att)
-    dinp = dev.zeros(inp.shape)
-    dpreatt, datt = poisoned(dev, att32.shape), poisoned(dev, att32.shape)
-    attention_backward(dev, dinp, dpreatt, datt, dev.asarray(dout), dev.asarray(inp), att, NH, qkvr)
-    rdinp = np.zeros(inp.shape)
-    attention_backward_ref(rdinp, np.empty(att32.shape), np.empty(att32.shape), dout.astype(np.float64),
-                           inp.astype(np.float64), att32.astype(np.float64), NH)
-    err["dinp"] = rel_err(dev.to_host(dinp), rdinp)
-    print(f"attention gemm path ({which}) B={B} T={T} C={C} NH={NH}: relative error vs float64 {err}")
-    # fp32: as the direct kernels; TF32: 10-bit mantissas in the products, ~1e-3
-    assert max(err.values()) < (1e-5 if which == "fp32" else 5e-3)
+def test_direct_attention_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
+    hs, bs = GC // GNH, kdev.block_size
+    sq = (GB, GNH, GT, GT)
+    inp, dout = rand_bf16(rng, (GB, GT, 3 * GC)), rand_bf16(rng, (GB, GT, GC))
+    n = GB * GNH * GT * GT
+    check(kdev, attention_scores_kernel, ceil_div(n, bs), bs,
+          [poison(sq), inp, 0, inp, GC, hs, 1.0 / math.sqrt(hs)], [0], rel=REL_BF16, name="scores (preatt)")
+    check(kdev, attention_scores_kernel, ceil_div(n, bs), bs,
+          [poison(sq), dout, 0, inp, 2 * GC, hs, 1.0], [0], rel=REL_BF16, name="scores (datt)")
+    pre, att, datt = causal(rng, sq, 2.0), causal(rng, sq, 0.05), causal(rng, sq)
+    check(kdev, attention_softmax_kernel, ceil_div(GB * GNH * GT, bs), bs, [poison(sq), pre], [0],
+          rel=REL_TWO_ROUNDINGS, name="direct softmax (two roundings)")
+    check(kdev, attention_values_kernel, ceil_div(GB * GT * GC, bs), bs, [poison((GB, GT, GC)), att, inp], [0],
+          rel=REL_BF16, name="values")
+    check(kdev, attention_softmax_backward_kernel, ceil_div(GB * GNH * GT, bs), bs, [poison(sq), datt, att], [0],
+          rel=REL_BF16, name="softmax backward")
+    check(kdev, attention_dinp_kernel, ceil_div(GB * GT * GC, bs), bs,
+          [rand_bf16(rng, (GB, GT, 3 * GC)), datt, att, dout, inp, 1.0 / math.sqrt(hs)], [0],
+          rel=REL_BF16, name="dinp (accumulate)")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [37, 300, 1030])
-def test_softmax_rows_warp_kernels_match_reference_and_repeat_bit_for_bit(fdev, rng, T):
-    # T=37: rows shorter than a warp, rows spanning two passes of the lanes (odd T: the scalar warp kernels);
-    # T=300: the paired kernels with the row in registers, some lanes' slots partly filled; T=1030: past the
-    # registers (T > 1024), the paired loop kernels, rows spanning several 128-word chunks, the last one
-    # partial; R*T rows, not a multiple of 8
-    from llmz.kernels.attention import softmax_rows, softmax_rows_backward
-    R = 3
-    pre = rng.normal(size=(R, T, T)) * 3
-    datt = rng.normal(size=(R, T, T))
-    lower = np.tril(np.ones((T, T), dtype=bool))
-    masked = np.where(lower, pre, -np.inf)
-    want = np.exp(masked - masked.max(-1, keepdims=True))
-    want /= want.sum(-1, keepdims=True)
-    runs = []
-    for _ in range(2):
-        att, dpre = poisoned(fdev, (R, T, T)), poisoned(fdev, (R, T, T))
-        softmax_rows(fdev, att, fdev.asarray(pre, np.float32))
-        softmax_rows_backward(fdev, dpre, fdev.asarray(datt, np.float32), att)
-        runs.append((fdev.to_host(att), fdev.to_host(dpre)))
-    a32 = runs[0][0].astype(np.float64)
-    want_d = a32 * (datt - (a32 * datt * lower).sum(-1, keepdims=True)) * lower
-    # float32 exp and sums of at most 300 terms: a few ulps
-    assert rel_err(runs[0][0], want) < 1e-6 and rel_err(runs[0][1], want_d) < 1e-6
-    # exactly +0.0 above the diagonal (no -0.0: the bits are zero)
-    assert np.all(runs[0][0][:, ~lower].view(np.uint32) == 0) and np.all(runs[0][1][:, ~lower].view(np.uint32) == 0)
-    assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [64, 300, 1030])
-def test_softmax_rows_pairs_kernels_leave_a_zero_upper_triangle_unwritten(fdev, rng, T):
-    # upper_is_zero: the caller's buffer already holds +0.0 above the diagonal. The paired kernels (even T)
-    # then write on and below it only: the same bits there as a full write, and a sentinel above it stays
-    from llmz.kernels.attention import softmax_rows, softmax_rows_backward
-    R = 3
-    pre = fdev.asarray(rng.normal(size=(R, T, T)) * 3, np.float32)
-    datt = fdev.asarray(rng.normal(size=(R, T, T)), np.float32)
-    lower = np.tril(np.ones((T, T), dtype=bool))
-    full_att, full_dpre = poisoned(fdev, (R, T, T)), poisoned(fdev, (R, T, T))
-    softmax_rows(fdev, full_att, pre)
-    softmax_rows_backward(fdev, full_dpre, datt, full_att)
-    sentinel = np.where(lower, np.nan, 7.0).astype(np.float32)
-    att, dpre = fdev.asarray(np.broadcast_to(sentinel, (R, T, T))), fdev.asarray(np.broadcast_to(sentinel, (R, T, T)))
-    softmax_rows(fdev, att, pre, upper_is_zero=True)
-    softmax_rows_backward(fdev, dpre, datt, full_att, upper_is_zero=True)
-    # the word holding the diagonal is written whole: for even t its second element, t+1, gets its +0.0
-    t, t2 = np.indices((T, T))
-    in_diagonal_word = (t2 == t + 1) & (t % 2 == 0)
-    for got, want in ((att, full_att), (dpre, full_dpre)):
-        got, want = fdev.to_host(got), fdev.to_host(want)
-        # on and below the diagonal (and the rest of its word): the full write's bits; above: the sentinel
-        written = lower | in_diagonal_word
-        assert np.array_equal(got[:, written], want[:, written])
-        assert np.all(got[:, ~written] == 7.0)
-    print(f"softmax rows pairs, T={T}: upper triangle left unwritten, lower bit-identical to the full write")

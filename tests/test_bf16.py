@@ -1,29 +1,18 @@
-"""bfloat16 stored as uint16 bits: the conversion kernels against the NumPy reference bit for bit (NaN, inf,
-zeros, subnormals, ties and overflow included); stochastic rounding unbiased and reproducible; small gradients
-lost by round-to-nearest accumulation and kept by stochastic rounding; the bf16 ZeRO-2 accumulate and AdamW
-kernels against their references."""
-import types
-
+"""bfloat16 stored as uint16 bits (llmz/bf16.py and llmz/kernels/bf16.py): the conversion kernels against the
+NumPy reference bit for bit (NaN, inf, zeros, subnormals, ties and overflow included); the element accessors
+(load / store / store_add) every kernel reads and writes through; stochastic rounding unbiased and
+reproducible; small gradients lost by round-to-nearest accumulation and kept by stochastic rounding. Each
+kernel's bf16 storage is tested in its layer's file (tests/test_<layer>.py)."""
 import numpy as np
 import pytest
+from numba import cuda
 
-from helpers import rel_err
-from llmz.bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic, random_u32
-from llmz.device import ceil_div
+from helpers import NAN_BF16, poisoned_bf16, rand_bf16
+from llmz.bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic, random_u32, run_in_f32
 from llmz.kernels.accumulate import accumulate_shard_bf16, accumulate_shard_bf16_ref
-from llmz.kernels.adamw import (
-    adamw_bf16_kernel,
-    adamw_bf16_pairs_kernel,
-    adamw_update,
-    adamw_update_bf16,
-    adamw_update_bf16_ref,
-    adamw_update_ref,
-)
-from llmz.kernels.bf16 import from_bf16, hash_args, pair_view, to_bf16
-from llmz.kernels.gelu import elementwise_blocks
+from llmz.kernels.bf16 import from_bf16, load, store, store_add, to_bf16
 
 SEED = 1234
-BETA1, BETA2, EPS, WD = 0.9, 0.95, 1e-8, 0.1
 
 # float32 bit patterns where bf16 rounding goes wrong first, with their round-to-nearest-even result
 # (written out by hand: these check the reference itself)
@@ -245,198 +234,79 @@ def test_small_gradients_vanish_with_nearest_but_survive_stochastic_accumulation
     assert rms_err < 0.08
 
 
-# ---- the bf16 ZeRO-2 accumulate kernel ---------------------------------------------------------------
-CASES = [(2, 0), (2, 1), (4, 0), (4, 3)]                                   # (world size N, rank)
+# ---- the accessors ------------------------------------------------------------------------------------
+@cuda.jit
+def accessor_kernel(out, acc, x):
+    """out, x: (R,C), any storage; acc: (R*C,). out[r,c] = x[r,c] (tuple index); acc[i] += 2 x[r,c] (int)."""
+    R, C = x.shape
+    i = cuda.grid(1)
+    if i < R * C:
+        r, c = i // C, i % C
+        v = load(x, (r, c))
+        store(out, (r, c), v)
+        store_add(acc, i, v + v)
 
 
-@pytest.mark.parametrize("stochastic", [True, False])
-@pytest.mark.parametrize("N, rank", CASES)
-def test_accumulate_shard_bf16_kernel_matches_reference_and_zeroes_slot(kdev, rng, N, rank, stochastic):
-    n = 37                                                                 # N*n not a multiple of the block
-    # shard and slot are views inside larger buffers, so a write outside them would show
-    shard0 = f32_to_bf16(rng.normal(size=n + 10))                          # the shard is [5, 5 + n)
-    shard_k, shard_r = kdev.asarray(shard0), shard0.copy()
-    for step in range(3):                                                  # three micro-steps
-        slot0 = f32_to_bf16(rng.normal(size=2 * N * n) * 0.05)             # two slots; the second one is used
-        slot_k, slot_r = kdev.asarray(slot0), slot0.copy()
-        accumulate_shard_bf16(kdev, shard_k[5:5 + n], slot_k[N * n:], rank, SEED, step, stochastic, offset=300)
-        accumulate_shard_bf16_ref(shard_r[5:5 + n], slot_r[N * n:], rank, SEED, step, stochastic, offset=300)
-        slot = kdev.to_host(slot_k)
-        assert np.all(slot[N * n:] == 0)                                   # the whole slot zeroed
-        assert np.array_equal(slot[:N * n], slot0[:N * n])                 # the other slot untouched
-    shard = kdev.to_host(shard_k)
-    assert np.array_equal(shard, shard_r)                                  # an fp32 add and integer rounding
-    assert np.array_equal(shard[:5], shard0[:5]) and np.array_equal(shard[5 + n:], shard0[5 + n:])
-    # and it did accumulate: the shard moved
-    assert np.mean(shard[5:5 + n] != shard0[5:5 + n]) > 0.5
+# float32 patterns where rounding to bf16 goes wrong first (tests/test_bf16.py checks them by hand)
+EDGE_BITS = [0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x00000001, 0x0000FFFF, 0x00008000, 0x00018000,
+             0x007FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF]
 
 
-def test_accumulate_shard_bf16_rejects_a_slot_that_does_not_split(kdev):
-    shard = kdev.asarray(np.ones(10, np.uint16))
-    with pytest.raises(ValueError):
-        accumulate_shard_bf16(kdev, shard, kdev.asarray(np.ones(25, np.uint16)), 0, SEED, 0)
+# x + x overflows to inf for the largest patterns, in the simulator's threads (which np.errstate cannot reach)
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_store_rounds_float32_to_nearest_bf16_bit_for_bit(kdev, rng):
+    x = np.concatenate([rng.normal(size=100).astype(np.float32) * 1e3,
+                        np.array(EDGE_BITS, np.uint32).view(np.float32)]).reshape(4, -1)   # (4, 29)
+    out = poisoned_bf16(kdev, x.shape)
+    acc = kdev.asarray(np.zeros(x.size, np.uint16))
+    kdev.launch(accessor_kernel, 4, 32, out, acc, kdev.asarray(x))
+    # the integer arithmetic of llmz.bf16: the same bits, ties to even and overflow to inf included
+    np.testing.assert_array_equal(kdev.to_host(out), f32_to_bf16(x))
+    with np.errstate(over="ignore"):
+        want = f32_to_bf16(np.float32(0) + (x + x).reshape(-1))        # acc starts at +0: +0 + -0 is +0
+    np.testing.assert_array_equal(kdev.to_host(acc), want)
 
 
-# ---- the bf16 AdamW kernel ---------------------------------------------------------------------------
-def scalars_at(t, lr=3e-4, grad_scale=0.7):
-    # [lr, grad_scale, bias corrections, the rounding's step]: here step t draws with step t
-    return np.array([lr, grad_scale, 1 - BETA1**t, 1 - BETA2**t, t], dtype=np.float64)
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_load_widens_bf16_exactly_and_store_add_rounds_the_float32_sum(kdev, rng):
+    x = np.concatenate([rng.integers(0, 2**16, 200), [0x0000, 0x8000, 0x0001, 0x7F7F, 0x7F80, 0xFF80]])
+    x = x.astype(np.uint16)
+    x = x[~np.isnan(bf16_to_f32(x))].reshape(1, -1)
+    start = rand_bf16(rng, x.size)
+    out = kdev.full(x.shape, np.nan, np.float32)
+    acc = kdev.asarray(start)
+    kdev.launch(accessor_kernel, 7, 32, out, acc, kdev.asarray(x))
+    # bf16 -> float32 is exact: the 16 bits on top, 16 zero bits below
+    np.testing.assert_array_equal(kdev.to_host(out).view(np.uint32), x.astype(np.uint32) << 16)
+    # acc: float32 add of the widened start and 2x, one rounding to nearest
+    with np.errstate(over="ignore"):
+        want = f32_to_bf16(bf16_to_f32(start) + (bf16_to_f32(x) + bf16_to_f32(x)).reshape(-1))
+    np.testing.assert_array_equal(kdev.to_host(acc), want)
 
 
-def random_state(rng, n):
-    master = rng.normal(size=n).astype(np.float32)
-    m = (rng.normal(size=n) * 1e-2).astype(np.float32)                     # a run under way: never zeros
-    v = (rng.random(size=n) * 1e-4 + 1e-6).astype(np.float32)
-    return f32_to_bf16(master), master, m, v
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accessors_on_float_arrays_are_plain_loads_and_stores(kdev, rng, dtype):
+    x = rng.normal(size=(3, 40)).astype(dtype)
+    start = rng.normal(size=x.size).astype(dtype)
+    out, acc = kdev.full(x.shape, np.nan, dtype), kdev.asarray(start)
+    kdev.launch(accessor_kernel, 4, 32, out, acc, kdev.asarray(x))
+    np.testing.assert_array_equal(kdev.to_host(out), x)
+    np.testing.assert_array_equal(kdev.to_host(acc), start + (x + x).reshape(-1))
 
 
-def assert_same_update(kdev, got, want, what):
-    """The simulator computes the float64 update exactly as NumPy does: equal bits. The GPU compiler
-    contracts a*b + c into fused multiply-adds, which moves float64's last bit; where the float64 value
-    lies on a float32 rounding tie (m = 0.9 m + 0.1 g with float32 m and bf16 g lands on ties far more
-    often than chance: measured on the H200, 146,907 of 124,475,904 m values, 0.12%, each one float32 ulp
-    from NumPy's, the float64 value within 1e-16 relative of the midpoint), the float32 store goes the
-    other way. So: at most one ulp (bf16: one step) apart, in at most 0.5% of the elements."""
-    if kdev.kind != "gpu":
-        assert np.array_equal(got, want, equal_nan=True), what
-        return
-    step = np.abs(got.view(np.int32 if got.dtype == np.float32 else np.int16).astype(np.int64)
-                  - want.view(np.int32 if want.dtype == np.float32 else np.int16).astype(np.int64))
-    print(f"{what}: {np.count_nonzero(step)} of {got.size} differ, by at most {step.max()} ulp")
-    assert step.max() <= 1 and np.count_nonzero(step) <= max(10, got.size // 200), what
+def test_run_in_f32_rounds_only_the_written_bf16_arrays():
+    a = np.array([1.0, 2.0, 3.0], np.float32)
+    b = f32_to_bf16(np.array([0.1, 0.2, 0.3]))
+    b0 = b.copy()
+    c = np.full(3, NAN_BF16, np.uint16)
 
-
-@pytest.mark.parametrize("stochastic", [True, False])
-def test_adamw_bf16_kernel_matches_reference_over_steps(kdev, rng, stochastic):
-    n, decay = 1000 + 7, 600                                               # not a multiple of the block size
-    params, master, m, v = random_state(rng, n)
-    dev_state = [kdev.asarray(a) for a in (params, master, m, v)]
-    for t in range(1, 4):
-        g = f32_to_bf16(rng.normal(size=n))
-        p_k, master_k, m_k, v_k = dev_state
-        adamw_update_bf16(kdev, p_k, master_k, kdev.asarray(g), m_k, v_k, decay, kdev.asarray(scalars_at(t)),
-                          BETA1, BETA2, EPS, WD, SEED, stochastic, offset=1000)
-        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED,
-                              stochastic, offset=1000)
-    got = [kdev.to_host(a) for a in dev_state]
-    for name, a, b in zip(("params", "master", "m", "v"), got, (params, master, m, v)):
-        assert_same_update(kdev, a, b, name)
-    # the bf16 parameters are the master weights rounded
-    if stochastic:
-        down = (bits_of(master) >> 16).astype(np.int64)
-        assert np.all((params == down) | (params == down + 1))
-        assert 0.15 < np.mean(params != f32_to_bf16(master)) < 0.35        # min(p, 1-p): a quarter
-    else:
-        assert np.array_equal(params, f32_to_bf16(master))
-
-
-def test_adamw_bf16_master_update_is_the_fp32_kernels_update(kdev, rng):
-    # one formula: the fp32 kernel on float32 parameters equal to the master, with the bf16 gradients'
-    # values, gives the master update of the bf16 kernel
-    n, decay = 500 + 3, 300
-    params, master, m, v = random_state(rng, n)
-    g = f32_to_bf16(rng.normal(size=n))
-    bf = [kdev.asarray(a) for a in (params, master, m, v)]
-    adamw_update_bf16(kdev, bf[0], bf[1], kdev.asarray(g), bf[2], bf[3], decay, kdev.asarray(scalars_at(2)),
-                      BETA1, BETA2, EPS, WD, SEED)
-    fp = [kdev.asarray(a) for a in (master, m, v)]
-    adamw_update(kdev, fp[0], kdev.asarray(bf16_to_f32(g)), fp[1], fp[2], decay, kdev.asarray(scalars_at(2)),
-                 BETA1, BETA2, EPS, WD)
-    for name, a, b in zip(("master", "m", "v"), bf[1:], fp):
-        assert_same_update(kdev, kdev.to_host(a), kdev.to_host(b), name)
-
-
-def test_adamw_bf16_reference_tracks_float64_adamw(rng):
-    # the bf16 path's master weights follow float64 AdamW to float32 precision
-    n, decay = 300, 200
-    params, master, m, v = random_state(rng, n)
-    p64, m64, v64 = master.astype(np.float64), m.astype(np.float64), v.astype(np.float64)
-    for t in range(1, 6):
-        g = f32_to_bf16(rng.normal(size=n))
-        adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(t), BETA1, BETA2, EPS, WD, SEED)
-        adamw_update_ref(p64, bf16_to_f32(g).astype(np.float64), m64, v64, decay, scalars_at(t),
-                         BETA1, BETA2, EPS, WD)
-    # float32 storage of master, m and v after each of 5 steps
-    assert rel_err(master, p64) < 1e-6 and rel_err(m, m64) < 1e-6 and rel_err(v, v64) < 1e-6
-    # the bf16 copy: within one bf16 step (2^-7 relative) of the master
-    assert np.all(np.abs(bf16_to_f32(params) - master) <= 2.0**-7 * np.abs(master))
-
-
-def adamw_bf16_both(dev, state, g, decay, scalars, stochastic, offset):
-    """One AdamW step by the scalar kernel and by the paired kernel (launched directly: the layer takes the
-    pairs only on a GPU), each on its own copy of state = (params, master, m, v), params poisoned with the bf16
-    NaN (only written). Returns [params, master, m, v] of each, on the host."""
-    n = g.size
-    seed, _, off = hash_args(SEED, 0, offset)
-    args = (decay, dev.asarray(scalars), BETA1, BETA2, EPS, WD, stochastic, seed, off)
-    results = []
-    for pairs in (False, True):
-        params = dev.full(n, 0x7FC0, np.uint16)
-        master, m, v = (dev.asarray(a) for a in state[1:])
-        arrays = (params, master, dev.asarray(g), m, v)
-        if pairs:
-            dev.launch(adamw_bf16_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-                       *(pair_view(a) for a in arrays), *args, n // 2)
-        else:
-            dev.launch(adamw_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size, *arrays, *args, n)
-        results.append([dev.to_host(a) for a in (params, master, m, v)])
-    return results
-
-
-def same_bits(a, b) -> bool:
-    return np.array_equal(a.view(np.uint16 if a.dtype == np.uint16 else np.uint32),
-                          b.view(np.uint16 if b.dtype == np.uint16 else np.uint32))
-
-
-@pytest.mark.parametrize("stochastic", [True, False])
-# word counts in the simulator (32-thread blocks, 4 words a thread): 37 less than a block's 128, 301 three
-# blocks with a ragged tail (every thread's fourth word in use), 129 one word past a full block
-@pytest.mark.parametrize("n_words", [37, 301, 4 * 32 + 1])
-def test_adamw_bf16_pairs_kernel_is_the_scalar_kernel_bit_for_bit(kdev, rng, stochastic, n_words):
-    # decay_size odd: the word of elements decay-1 and decay straddles it (one decayed, one not); a nonzero
-    # hash offset, as a ZeRO shard passes
-    n, decay, offset = 2 * n_words, 2 * (n_words // 3) + 1, 1001
-    state = random_state(rng, n)
-    g = f32_to_bf16(rng.normal(size=n))
-    scalar, pairs = adamw_bf16_both(kdev, state, g, decay, scalars_at(3), stochastic, offset)
-    # every element's update and random word the same: the same bits
-    for name, a, b in zip(("params", "master", "m", "v"), pairs, scalar):
-        assert same_bits(a, b), name
-    assert not np.any(pairs[0] == 0x7FC0), "NaN left in params"
-    # and the reference's (the simulator computes exactly as NumPy)
-    params, master, m, v = (a.copy() for a in state)
-    adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(3), BETA1, BETA2, EPS, WD, SEED, stochastic,
-                          offset)
-    for name, a, b in zip(("params", "master", "m", "v"), pairs, (params, master, m, v)):
-        assert_same_update(kdev, a, b, name)
-
-
-def test_adamw_bf16_layer_takes_the_paired_kernel_for_aligned_even_arrays_only(kdev, rng):
-    # the layer as on a GPU (kind "gpu"), launching through kdev and recording which kernel ran; the arrays
-    # are views into buffers, as ZeRO's shards are, drawing at hash index 1000 + their start
-    launched = []
-
-    def launch(kernel, *args):
-        launched.append(kernel)
-        kdev.launch(kernel, *args)
-    gpu = types.SimpleNamespace(kind="gpu", kernels=True, block_size=kdev.block_size, launch=launch)
-    size, decay = 81, 33
-    state = random_state(rng, size)
-    g = f32_to_bf16(rng.normal(size=size))
-    for start, n, want in ((0, 80, adamw_bf16_pairs_kernel),       # even, aligned
-                           (2, 78, adamw_bf16_pairs_kernel),       # a view at an even element
-                           (0, 79, adamw_bf16_kernel),             # odd n
-                           (1, 80, adamw_bf16_kernel)):            # a view at an odd element: not word-aligned
-        bufs = [kdev.asarray(a) for a in state]
-        p, master, m, v = (b[start:start + n] for b in bufs)
-        adamw_update_bf16(gpu, p, master, kdev.asarray(g)[start:start + n], m, v, decay,
-                          kdev.asarray(scalars_at(2)), BETA1, BETA2, EPS, WD, SEED, offset=1000 + start)
-        assert launched[-1] is want, (start, n)
-        ref = [a[start:start + n].copy() for a in state]
-        adamw_update_bf16_ref(*ref[:2], g[start:start + n], *ref[2:], decay, scalars_at(2), BETA1, BETA2, EPS, WD,
-                              SEED, offset=1000 + start)
-        for name, a, b in zip(("params", "master", "m", "v"), (p, master, m, v), ref):
-            assert_same_update(kdev, kdev.to_host(a), b, name)
+    def ref(a, b, c):
+        assert a.dtype == b.dtype == c.dtype == np.float32
+        c[...] = a + b
+        b[...] = 0                                  # not in `written`: the caller's b must stay as it was
+    run_in_f32(ref, (a, b, c), written=(2,))
+    np.testing.assert_array_equal(b, b0)
+    np.testing.assert_array_equal(c, f32_to_bf16(a + bf16_to_f32(b0)))
 
 
 # ---- on the GPU, at real sizes -------------------------------------------------------------------------
@@ -451,18 +321,6 @@ def test_to_bf16_kernel_matches_reference_at_gpt2_block_size(kdev, rng, mode):
     to_bf16(kdev, out, kdev.asarray(x), mode, seed=SEED, step=11, offset=85_000_000)
     want = f32_to_bf16_stochastic(x, SEED, 11, 85_000_000) if mode == "stochastic" else f32_to_bf16(x)
     assert np.array_equal(kdev.to_host(out), want)
-
-
-@pytest.mark.gpu
-def test_accumulate_shard_bf16_kernel_matches_reference_at_gpt2_block_size(kdev, rng):
-    N, rank = 4, 1
-    n = BLOCK_BUCKET // N
-    shard0, slot0 = f32_to_bf16(rng.normal(size=n) * 1e-2), f32_to_bf16(rng.normal(size=N * n) * 1e-3)
-    shard, slot = kdev.asarray(shard0), kdev.asarray(slot0)
-    accumulate_shard_bf16(kdev, shard, slot, rank, SEED, 7, offset=12345)
-    accumulate_shard_bf16_ref(shard0, slot0, rank, SEED, 7, offset=12345)
-    assert np.array_equal(kdev.to_host(shard), shard0)
-    assert not np.any(kdev.to_host(slot))
 
 
 @pytest.mark.gpu
@@ -482,42 +340,6 @@ def test_small_gradients_survive_10000_stochastic_accumulations_on_the_gpu(kdev)
     print(f"{n} accumulators, {steps} adds of 2^-10 into 1.0: float64 {exact}, nearest {near[0]}, "
           f"stochastic mean {sr.mean():.6g} ({mean_err:.3%} off), rms {rms_err:.2%}")
     assert np.all(near == start) and mean_err < 0.001 and rms_err < 0.08
-
-
-@pytest.mark.gpu
-def test_adamw_bf16_kernel_matches_reference_at_gpt2_size(kdev, rng):
-    n, decay = 124_475_904, 85_000_000
-    params, master, m, v = random_state(rng, n)
-    g = f32_to_bf16(rng.normal(size=n) * 1e-2)
-    dev_state = [kdev.asarray(a) for a in (params, master, m, v)]
-    p_k, master_k, m_k, v_k = dev_state
-    adamw_update_bf16(kdev, p_k, master_k, kdev.asarray(g), m_k, v_k, decay, kdev.asarray(scalars_at(5)),
-                      BETA1, BETA2, EPS, WD, SEED)
-    adamw_update_bf16_ref(params, master, g, m, v, decay, scalars_at(5), BETA1, BETA2, EPS, WD, SEED)
-    for name, a, b in zip(("params", "master", "m", "v"), dev_state, (params, master, m, v)):
-        assert_same_update(kdev, kdev.to_host(a), b, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stochastic", [True, False])
-def test_adamw_bf16_pairs_kernel_is_the_scalar_kernel_bit_for_bit_at_gpt2_size(kdev, rng, stochastic):
-    # GPT-2 124M's parameter count; decay_size odd (a word straddles it); a ZeRO-like hash offset
-    n, decay, offset = 124_475_904, 85_000_001, 12_345
-    state = random_state(rng, n)
-    g = f32_to_bf16(rng.normal(size=n) * 1e-2)
-    scalar, pairs = adamw_bf16_both(kdev, state, g, decay, scalars_at(5), stochastic, offset)
-    # params and master: the same bits (measured on the H200: 100%). m and v: the compiler contracts the
-    # float64 update into FMAs per kernel, and where float64 lands on a float32 rounding tie the two kernels
-    # round apart (measured: m 99.89% identical), as assert_same_update allows against NumPy
-    for name, a, b in zip(("params", "master", "m", "v"), pairs, scalar):
-        same = np.mean(a.view(np.uint16 if a.dtype == np.uint16 else np.uint32)
-                       == b.view(np.uint16 if b.dtype == np.uint16 else np.uint32))
-        print(f"adamw bf16 n={n} decay={decay} offset={offset} stochastic={stochastic}: {name} of the paired "
-              f"kernel vs the scalar kernel, {same:.6%} of elements bit-identical")
-        if name in ("params", "master"):
-            assert same_bits(a, b), name
-        else:
-            assert_same_update(kdev, a, b, f"{name} (paired vs scalar kernel)")
 
 
 # ---- lesson 04 runs and passes its checkpoints -------------------------------------------------------------

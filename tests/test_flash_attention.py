@@ -6,13 +6,12 @@ import pytest
 from test_bf16_storage import NAN_BF16, assert_within_one_step, rand_bf16
 
 from helpers import finite_diff, poisoned, rel_err
+from llmz import fast, kernels
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.attention import attention_backward_ref, attention_forward_ref
 from llmz.kernels.flash_attention import (
     BLOCK,
-    flash_attention_backward,
     flash_attention_backward_ref,
-    flash_attention_forward,
     flash_attention_forward_ref,
 )
 
@@ -80,7 +79,7 @@ def test_flash_reference_overwrites_dinp_when_asked(rng):
 
 # ---- the teaching kernels (simulator on CI) -------------------------------------------------------------
 def run_kernels(dev, inp, dout, NH, dinp0=None, accumulate=True, dtype=np.float32):
-    """Teaching flash forward + backward on `dev` with values stored as `dtype`, on poisoned outputs:
+    """Flash forward + backward (the device's kernel set) on `dev` with values stored as `dtype`, on poisoned outputs:
     out, lse, dinp on the host."""
     B, T, C3 = inp.shape
     lse_dtype = np.float64 if dtype == np.float64 else np.float32
@@ -88,9 +87,10 @@ def run_kernels(dev, inp, dout, NH, dinp0=None, accumulate=True, dtype=np.float3
         return dev.full(shape, NAN_BF16, dt) if dt == np.uint16 else poisoned(dev, shape, dt)
     out, lse = poison((B, T, C3 // 3), dtype), poison((B, NH, T), lse_dtype)
     x = dev.asarray(inp, dtype)
-    flash_attention_forward(dev, out, lse, x, NH)
+    k = fast if dev.fast else kernels            # the layer functions of the device's kernel set
+    k.flash_attention_forward(dev, out, lse, x, NH)
     dinp = poison(inp.shape, dtype) if dinp0 is None else dev.asarray(dinp0, dtype)
-    flash_attention_backward(dev, dinp, dev.asarray(dout, dtype), x, out, lse, NH, accumulate)
+    k.flash_attention_backward(dev, dinp, dev.asarray(dout, dtype), x, out, lse, NH, accumulate)
     return dev.to_host(out), dev.to_host(lse), dev.to_host(dinp)
 
 
@@ -238,7 +238,7 @@ FAST_TOL = {"out": 1e-2, "lse": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2}
 
 def _fast_dev():
     from llmz.device import Device
-    return Device("gpu", np.uint16, matmul="cublas", attention="flash")
+    return Device("gpu", np.uint16, kernel_set="fast", attention="flash")
 
 
 def _bf16_ref(inp, dout, NH):
@@ -291,7 +291,7 @@ def test_fast_flash_matches_float64_and_teaching_kernels_and_repeats_bit_for_bit
     assert all(errs[k] < FAST_TOL[k] for k in errs), errs
     again = run_kernels(fast, inp, dout, NH, accumulate=False, dtype=np.uint16)
     assert all(np.array_equal(x, y) for x, y in zip(got, again))
-    teach = Device("gpu", np.uint16, matmul="numba", attention="flash")
+    teach = Device("gpu", np.uint16, kernel_set="teaching", attention="flash")
     tgot = run_kernels(teach, inp, dout, NH, accumulate=False, dtype=np.uint16)
     terrs = _errors(got, (bf16_to_f32(tgot[0]), tgot[1], bf16_to_f32(tgot[2])), C)
     print(f"fast flash vs teaching flash: {terrs}")

@@ -1,17 +1,18 @@
-"""Matmul: the tiled kernels against the NumPy reference, the reference against finite differences.
-Sizes are not multiples of TILE=16, so every tile loop meets a ragged edge."""
+"""Matmul (llmz/kernels/matmul.py, the teaching kernels on the tiled product): against the NumPy reference,
+the reference against finite differences, bf16 storage. Sizes are not multiples of TILE=16, so every tile
+loop meets a ragged edge. The fast path (cuBLAS, the bias fill, the column sums): tests/test_fast_matmul.py."""
 import numpy as np
 import pytest
 
-from helpers import finite_diff, poisoned, rel_err
-from llmz.kernels.bf16 import pair_view
+from helpers import NAN_BF16, finite_diff, poisoned, rand_bf16, rel_err
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
+from llmz.device import ceil_div
 from llmz.kernels.matmul import (
-    bias_grid,
-    gemm_tiled,
     matmul_backward,
+    matmul_backward_bias_kernel,
     matmul_backward_ref,
-    matmul_bias_fill_kernel,
     matmul_forward,
+    matmul_forward_bias_kernel,
     matmul_forward_ref,
 )
 
@@ -47,37 +48,6 @@ def test_matmul_forward_kernel_is_exact_in_float64(kdev, rng):
     assert rel_err(kdev.to_host(out), ref) < 1e-14
 
 
-# the bias fill: each thread writes up to FILL_ROWS = 32 rows a grid apart, one column. N = 1 and 9: fewer
-# rows than one thread's 32; N = 70: three row blocks, the last thread's third row past the end; OC = 37:
-# past the 32-thread block
-@pytest.mark.parametrize("N", [1, 9, 70])
-def test_matmul_bias_fill_kernel_writes_the_bias_into_every_row(kdev, rng, N):
-    OC = 37
-    bias = rng.normal(size=OC).astype(np.float32)
-    out = poisoned(kdev, (N, OC))
-    kdev.launch(matmul_bias_fill_kernel, bias_grid(kdev, N, OC), kdev.block_size, out, kdev.asarray(bias))
-    # a copy: bit-exact (a missed element keeps its NaN)
-    np.testing.assert_array_equal(kdev.to_host(out), np.broadcast_to(bias, (N, OC)))
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
-def test_matmul_bias_fill_kernel_on_paired_views_copies_the_bias_bits(kdev, rng, dtype):
-    # the GPU layer's path: out and bias as words of two elements (float32 as uint64, bf16 as uint32)
-    N, OC = 9, 38
-    # bf16: random finite bit patterns (below 0x7F80, the exponent of inf/NaN)
-    bias = rng.integers(0, 0x7F80, size=OC, dtype=np.uint16) if dtype == np.uint16 else \
-        rng.normal(size=OC).astype(np.float32)
-    out = kdev.asarray(np.full((N, OC), 0xFFFF, np.uint16) if dtype == np.uint16 else np.full((N, OC), np.nan,
-                                                                                            np.float32))
-    words = pair_view(out)
-    kdev.launch(matmul_bias_fill_kernel, bias_grid(kdev, *words.shape), kdev.block_size, words,
-                pair_view(kdev.asarray(bias)))
-    # every row the bias's bits (a missed word keeps its poison)
-    np.testing.assert_array_equal(kdev.to_host(out).view(np.uint16 if dtype == np.uint16 else np.uint32),
-                                  np.broadcast_to(bias.view(np.uint16 if dtype == np.uint16 else np.uint32),
-                                                  (N, OC)))
-
-
 def test_matmul_backward_kernel_overwrites_dinp_when_asked(kdev, rng):
     inp, weight, _, dout = _inputs(rng, B, T, C, OC)
     dweight0, dbias0 = rng.normal(size=weight.shape), rng.normal(size=OC)
@@ -111,16 +81,16 @@ def test_matmul_backward_kernel_matches_reference_and_accumulates(kdev, rng, wit
         assert rel_err(kdev.to_host(dbias), rdbias) < 1e-6
 
 
-@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
-def test_gemm_tiled_kernel_matches_numpy_for_every_transpose(kdev, rng, trans_a, trans_b):
-    M, N, K = 17, 5, 19                       # each one past a tile edge (17 rows: two row tiles)
-    a = rng.normal(size=(K, M) if trans_a else (M, K))
-    b = rng.normal(size=(N, K) if trans_b else (K, N))
-    c = poisoned(kdev, (M, N))
-    gemm_tiled(kdev, c, kdev.asarray(a, np.float32), kdev.asarray(b, np.float32), trans_a, trans_b, False)
-    ref = (a.T if trans_a else a) @ (b.T if trans_b else b)
-    # float32 inputs, sums of 19 products: a few ulps
-    assert rel_err(kdev.to_host(c), ref) < 1e-6
+# one thread per element of out: N = 1 and 9 rows, OC = 37 past the 32-thread block
+@pytest.mark.parametrize("N", [1, 9])
+def test_matmul_forward_bias_kernel_writes_the_bias_into_every_row(kdev, rng, N):
+    OC = 37
+    bias = rng.normal(size=OC).astype(np.float32)
+    out = poisoned(kdev, (N, OC))
+    kdev.launch(matmul_forward_bias_kernel, ceil_div(N * OC, kdev.block_size), kdev.block_size, out,
+                kdev.asarray(bias))
+    # a copy: bit-exact (a missed element keeps its NaN)
+    np.testing.assert_array_equal(kdev.to_host(out), np.broadcast_to(bias, (N, OC)))
 
 
 def test_matmul_reference_backward_matches_finite_differences(rng):
@@ -137,6 +107,43 @@ def test_matmul_reference_backward_matches_finite_differences(rng):
                        (bias, dbias, lambda x: forward(inp, weight, x))]:
         idx, g = finite_diff(f, x, dout)
         assert rel_err(grad.reshape(-1)[idx], g) < 1e-6
+
+
+# ---- bf16 storage ------------------------------------------------------------------------------------
+def test_matmul_forward_on_bf16_is_close_to_the_bf16_reference(kdev, rng):
+    N, C_, OC = 6, 20, 18
+    inp, weight, bias = rand_bf16(rng, (N, C_)), rand_bf16(rng, (OC, C_), 0.5), rand_bf16(rng, OC)
+    out = kdev.asarray(np.full((N, OC), NAN_BF16, np.uint16))
+    matmul_forward(kdev, out, kdev.asarray(inp), kdev.asarray(weight), kdev.asarray(bias))
+    ref = np.full((N, OC), NAN_BF16, np.uint16)
+    matmul_forward_ref(ref, inp, weight, bias)
+    # the kernels and the reference both round product + bias once, the products summed in another order:
+    # within one bf16 step, 2^-7 relative at the bottom of a binade, 1e-2 absolute where the bias cancels
+    np.testing.assert_allclose(bf16_to_f32(kdev.to_host(out)), bf16_to_f32(ref), rtol=2 ** -7, atol=1e-2)
+
+
+def test_matmul_forward_bias_kernel_on_bf16_copies_the_bias_bits(kdev, rng):
+    N, OC = 3, 37
+    bias = rand_bf16(rng, OC)
+    out = kdev.asarray(np.full((N, OC), NAN_BF16, np.uint16))
+    kdev.launch(matmul_forward_bias_kernel, ceil_div(N * OC, kdev.block_size), kdev.block_size, out,
+                kdev.asarray(bias))
+    np.testing.assert_array_equal(kdev.to_host(out), np.broadcast_to(bias, (N, OC)))
+    # a bf16 bias into a float32 out: its values exactly
+    out32 = kdev.full((N, OC), np.nan, np.float32)
+    kdev.launch(matmul_forward_bias_kernel, ceil_div(N * OC, kdev.block_size), kdev.block_size, out32,
+                kdev.asarray(bias))
+    np.testing.assert_array_equal(kdev.to_host(out32), np.broadcast_to(bf16_to_f32(bias), (N, OC)))
+
+
+def test_matmul_backward_bias_kernel_on_bf16_rounds_the_float64_sum_once(kdev, rng):
+    dout, start = rand_bf16(rng, (37, 45)), rand_bf16(rng, 45)          # C past the 32-thread block
+    dbias = kdev.asarray(start)
+    kdev.launch(matmul_backward_bias_kernel, ceil_div(45, kdev.block_size), kdev.block_size, dbias,
+                kdev.asarray(dout))
+    want = bf16_to_f32(start).astype(np.float64) + bf16_to_f32(dout).sum(axis=0, dtype=np.float64)
+    # float64 sum, the start added in float64, rounded to float32 then to bf16 (the kernel's store_add)
+    np.testing.assert_array_equal(kdev.to_host(dbias), f32_to_bf16(want.astype(np.float32)))
 
 
 # ---- real GPU, GPT-2 124M sizes -------------------------------------------------------------------

@@ -31,7 +31,7 @@ def run(dev, cfg, flat_host, x, y, B, T, buckets=False):
     grads = dev.zeros(layout.total)
     model = GPT2(cfg, dev, B, T)
     if buckets:
-        from llmz.kernels.encoder import wte_buckets_upload
+        from llmz.fast.encoder import wte_buckets_upload
         model.wte_buckets = wte_buckets_upload(dev, x)
     pv = FullParams(layout, params)
     xd, yd = dev.asarray(x, np.int32), dev.asarray(y, np.int32)
@@ -80,13 +80,17 @@ def test_model_reference_backward_matches_finite_differences(rng):
     assert np.all(gv[0]["wte"][TINY.vocab_size:] == 0)
 
 
-def test_model_kernels_match_reference_logits_loss_and_every_gradient(kdev, rng):
+@pytest.mark.parametrize("kernel_set", ["teaching", "fast"])
+def test_model_kernels_match_reference_logits_loss_and_every_gradient(kdev, fdev, rng, kernel_set):
+    # the fast set in the simulator: every fast kernel but cuBLAS (the tiled product, direct attention), the
+    # wte backward on its token buckets
+    dev = kdev if kernel_set == "teaching" else fdev
     B, T = 2, 8
     layout = Layout(TINY, 1)
     flat = random_params(layout, rng)
     x = rng.integers(0, TINY.vocab_size, (B, T))
     y = rng.integers(0, TINY.vocab_size, (B, T))
-    loss_k, logits_k, grads_k, _ = run(kdev, TINY, flat.astype(np.float32), x, y, B, T)
+    loss_k, logits_k, grads_k, _ = run(dev, TINY, flat.astype(np.float32), x, y, B, T, buckets=dev.fast)
     loss_r, logits_r, grads_r, _ = run(Device("cpu", np.float64), TINY, flat, x, y, B, T)
     # float32 kernels against the float64 reference: rounding of sums over at most 4C = 32 terms
     assert abs(loss_k - loss_r) / abs(loss_r) < 1e-5
@@ -114,18 +118,18 @@ def d12_reference():
     return cfg, layout, flat, x, y, loss_r, grads_r
 
 
-# (matmul, attention, TF32, wte buckets) and the bounds: (loss, worst gradient tensor), relative
-D12_PATHS = {"teaching": (("numba", "direct", False, False), (1e-5, 1e-3)),
-             "fast-fp32": (("cublas", "gemm", False, True), (1e-5, 1e-3)),
-             "fast-tf32": (("cublas", "gemm", True, True), (1e-3, 5e-2))}
+# (kernel set, TF32, wte buckets) and the bounds: (loss, worst gradient tensor), relative
+D12_PATHS = {"teaching": (("teaching", False, False), (1e-5, 1e-3)),
+             "fast-fp32": (("fast", False, True), (1e-5, 1e-3)),
+             "fast-tf32": (("fast", True, True), (1e-3, 5e-2))}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", list(D12_PATHS))
 def test_d12_loss_and_gradients_on_gpu_match_float64_reference(d12_reference, path):
     cfg, layout, flat, x, y, loss_r, grads_r = d12_reference
-    (matmul, attention, tf32, buckets), (loss_tol, grad_tol) = D12_PATHS[path]
-    dev = Device("gpu", np.float32, matmul=matmul, attention=attention, tf32=tf32)
+    (kernel_set, tf32, buckets), (loss_tol, grad_tol) = D12_PATHS[path]
+    dev = Device("gpu", np.float32, kernel_set=kernel_set, tf32=tf32)
     loss_g, _, grads_g, _ = run(dev, cfg, flat.astype(np.float32), x, y, D12_B, D12_T, buckets)
     print(f"d12 {path}: loss gpu {loss_g:.6f} ref {loss_r:.6f} rel {abs(loss_g - loss_r) / loss_r:.2e}")
     worst = {}

@@ -1,11 +1,13 @@
-"""Gradient norm and clipping: the two-pass float64 sum against NumPy, bit-identical between runs; the
-clipping factor in both branches and with clipping off."""
+"""Gradient norm and clipping (llmz/kernels/norm.py; no fast version): the two-pass float64 sum against NumPy,
+bit-identical between runs, bf16 gradients summed as their exact float32 values; the clipping factor in both
+branches and with clipping off."""
 import math
 
 import numpy as np
 import pytest
 
-from helpers import poisoned
+from helpers import poisoned, rand_bf16
+from llmz.bf16 import bf16_to_f32
 from llmz.kernels.norm import (
     NORM_BLOCKS,
     clip_scale,
@@ -95,3 +97,32 @@ def test_norm_squared_matches_float64_reference_at_gpt2_size(kdev, rng):
     err = abs(a - ref[0]) / ref[0]
     print(f"norm_squared n={n}: rel err {err:.2e}")
     assert err < 1e-12 and a.tobytes() == b.tobytes()
+
+
+def test_norm_squared_of_bf16_gradients_equals_the_float32_sum_bit_for_bit(kdev, rng):
+    x = rand_bf16(rng, 300)
+    scratch = kdev.asarray(np.zeros(NORM_BLOCKS))
+    out, out32 = kdev.asarray(np.full(1, np.nan)), kdev.asarray(np.full(1, np.nan))
+    norm_squared(kdev, out, kdev.asarray(x), scratch)
+    norm_squared(kdev, out32, kdev.asarray(bf16_to_f32(x)), scratch)
+    # exact float32 values summed in float64 in the same order: the same bits
+    np.testing.assert_array_equal(kdev.to_host(out), kdev.to_host(out32))
+    ref = np.full(1, np.nan)
+    norm_squared_ref(ref, x, None)
+    # float64 sums of 300 terms of size ~1, another order
+    np.testing.assert_allclose(kdev.to_host(out), ref, rtol=1e-13)
+    assert ref[0] == pytest.approx(float(np.sum(bf16_to_f32(x).astype(np.float64) ** 2)), rel=1e-13)
+
+
+@pytest.mark.gpu
+def test_norm_of_bf16_gradients_equals_the_float32_norm_at_gpt2_size(kdev, rng):
+    n = 124_475_904                                      # GPT-2 124M's parameter count
+    x = rand_bf16(rng, n, 1e-3)
+    scratch = kdev.asarray(np.zeros(NORM_BLOCKS))
+    out, out32 = kdev.asarray(np.full(1, np.nan)), kdev.asarray(np.full(1, np.nan))
+    norm_squared(kdev, out, kdev.asarray(x), scratch)
+    norm_squared(kdev, out32, kdev.asarray(bf16_to_f32(x)), scratch)
+    got, want = kdev.to_host(out)[0], kdev.to_host(out32)[0]
+    print(f"norm^2 of 124M bf16 values: {got!r}, float32 kernel {want!r}, relative difference "
+          f"{abs(got - want) / want:.3e} (bound 0: the same float64 sum of the same exact values)")
+    assert got == want

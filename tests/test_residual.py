@@ -1,21 +1,23 @@
-"""Residual: the kernels against the NumPy reference, the reference against finite differences, the paired
-kernels against the scalar kernels bit for bit."""
+"""Residual (llmz/kernels/residual.py, the teaching kernels): the kernels against the NumPy reference, the
+reference against finite differences, bf16 storage. The fast kernels: tests/test_fast_residual.py."""
 import numpy as np
 import pytest
-from test_gelu import STORAGES, WORD_COUNTS, bits_values, host_bits, nan_storage, rand_storage
 
-from helpers import finite_diff, poisoned, rel_err
+from helpers import (
+    NAN_BF16,
+    assert_rounded_float32,
+    finite_diff,
+    poisoned,
+    poisoned_bf16,
+    rand_bf16,
+    rel_err,
+)
+from llmz import kernels
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.kernels.bf16 import pair_view
-from llmz.kernels.gelu import ELEMS_PER_THREAD, elementwise_blocks
 from llmz.kernels.residual import (
     residual_backward,
-    residual_backward_kernel,
-    residual_backward_pairs_kernel,
     residual_backward_ref,
     residual_forward,
-    residual_forward_kernel,
-    residual_forward_pairs_kernel,
     residual_forward_ref,
 )
 
@@ -47,10 +49,9 @@ def test_residual_backward_kernel_matches_reference_and_accumulates(kdev, rng):
     np.testing.assert_array_equal(kdev.to_host(dinp2), ref2)
 
 
-# each thread takes ELEMS_PER_THREAD = 4 elements a grid apart: in the simulator (32-thread blocks) 5 is less
-# than one block, 300 is 3 blocks of 4 x 32 elements (384 slots) with a ragged tail, 4 x 32 + 1 one element
-# past a full block
-@pytest.mark.parametrize("n", [5, 300, ELEMS_PER_THREAD * 32 + 1])
+# one thread per element: in the simulator (32-thread blocks) 5 is less than one block, 300 ten blocks with a
+# ragged tail, 33 one element past a full block
+@pytest.mark.parametrize("n", [5, 300, 33])
 def test_residual_kernels_write_every_element_when_n_is_off_the_block_grid(kdev, rng, n):
     a, b, dout, s1, s2 = (rng.normal(size=n).astype(np.float32) for _ in range(5))
     out = poisoned(kdev, n)
@@ -107,61 +108,52 @@ def test_residual_kernels_match_float64_reference_at_gpt2_size(kdev, rng):
     assert max(errs.values()) < 1e-6
 
 
-# ---- the paired kernels (GPU fast path for float32 and bf16): the scalar kernels' bits ------------------
-# pair_view words launched directly; word counts as in test_gelu (off the simulator's block grid)
-def residual_forward_both(dev, a, b, out_storage):
-    """out of the scalar kernel and of the paired kernel, both started from NaN."""
-    n = a.size
-    out, outp = nan_storage(dev, n, out_storage), nan_storage(dev, n, out_storage)
-    dev.launch(residual_forward_kernel, elementwise_blocks(dev, n), dev.block_size, out, a, b, n)
-    dev.launch(residual_forward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-               pair_view(outp), pair_view(a), pair_view(b), n // 2)
-    return out, outp
+SHAPE3 = (3, 5, 7)                  # 105 elements
 
 
-def residual_backward_both(dev, s1, s2, dout):
-    """(dinp1, dinp2) of the scalar kernel and of the paired kernel, each started from copies of s1, s2."""
-    n = dout.size
-    d1, d2, d1p, d2p = s1.copy(), s2.copy(), s1.copy(), s2.copy()
-    dev.launch(residual_backward_kernel, elementwise_blocks(dev, n), dev.block_size, d1, d2, dout, n)
-    dev.launch(residual_backward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
-               pair_view(d1p), pair_view(d2p), pair_view(dout), n // 2)
-    return (d1, d2), (d1p, d2p)
+# ---- bf16 storage ---------------------------------------------------------------------------------------
+def test_residual_kernels_on_bf16_match_the_bf16_reference_bit_for_bit(kdev, rng):
+    a, b, dout, s1, s2 = (rand_bf16(rng, SHAPE3) for _ in range(5))
+    out = poisoned_bf16(kdev, SHAPE3)
+    residual_forward(kdev, out, kdev.asarray(a), kdev.asarray(b))
+    dinp1, dinp2 = kdev.asarray(s1), kdev.asarray(s2)     # accumulate: start random
+    residual_backward(kdev, dinp1, dinp2, kdev.asarray(dout))
+    ref, r1, r2 = np.full(SHAPE3, NAN_BF16, np.uint16), s1.copy(), s2.copy()
+    residual_forward_ref(ref, a, b)
+    residual_backward_ref(r1, r2, dout)
+    # one float32 add of exact bf16 values, one rounding: the reference does the same
+    np.testing.assert_array_equal(kdev.to_host(out), ref)
+    np.testing.assert_array_equal(kdev.to_host(dinp1), r1)
+    np.testing.assert_array_equal(kdev.to_host(dinp2), r2)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("n_words", WORD_COUNTS)
-def test_residual_pairs_kernels_are_the_scalar_kernels_bit_for_bit(kdev, rng, storage, n_words):
-    n = 2 * n_words
-    a, b, dout, s1, s2 = (kdev.asarray(rand_storage(rng, n, storage)) for _ in range(5))
-    # forward overwrites: outputs start NaN; the same float32 add and rounding per element: the same bits
-    out, outp = residual_forward_both(kdev, a, b, storage)
-    got = host_bits(kdev, outp)
-    np.testing.assert_array_equal(got, host_bits(kdev, out))
-    assert not np.isnan(bits_values(got)).any(), "NaN left in out"
-    # backward accumulates into random non-zero values
-    scalar, paired = residual_backward_both(kdev, s1, s2, dout)
-    for want, got in zip(scalar, paired):
-        np.testing.assert_array_equal(host_bits(kdev, got), host_bits(kdev, want))
+def test_residual_forward_kernel_mixes_float32_and_bf16_arrays(kdev, rng):
+    a = rng.normal(size=SHAPE3).astype(np.float32)          # a float32 stream plus a bf16 one, into bf16
+    b = rand_bf16(rng, SHAPE3)
+    out = poisoned_bf16(kdev, SHAPE3)
+    residual_forward(kdev, out, kdev.asarray(a), kdev.asarray(b))
+    ref = np.full(SHAPE3, NAN_BF16, np.uint16)
+    residual_forward_ref(ref, a, b)
+    np.testing.assert_array_equal(kdev.to_host(out), ref)
+    np.testing.assert_array_equal(ref, f32_to_bf16(a + bf16_to_f32(b)))
 
 
-def test_residual_forward_pairs_kernel_mixes_float32_and_bf16_words(kdev, rng):
-    # a float32 stream (uint64 words) plus a bf16 one (uint32 words) into bf16: word w is elements 2w, 2w+1
-    # in both views
-    a, b = (kdev.asarray(rand_storage(rng, 2 * 37, s)) for s in STORAGES)
-    out, outp = residual_forward_both(kdev, a, b, "bf16")
-    np.testing.assert_array_equal(kdev.to_host(outp), kdev.to_host(out))
-    np.testing.assert_array_equal(kdev.to_host(outp), f32_to_bf16(kdev.to_host(a) + bf16_to_f32(kdev.to_host(b))))
+def residual_bf16_against_float32(dev, k, rng, shape):
+    """The layer functions of k (llmz.kernels or llmz.fast) on bf16 arrays against the same on float32 copies of
+    their values: the bf16 results are the float32 results rounded."""
+    a, b, dout, s1, s2 = (rand_bf16(rng, shape) for _ in range(5))
+    out, out32 = poisoned_bf16(dev, shape), dev.full(shape, np.nan, np.float32)
+    k.residual_forward(dev, out, dev.asarray(a), dev.asarray(b))
+    k.residual_forward(dev, out32, dev.asarray(bf16_to_f32(a)), dev.asarray(bf16_to_f32(b)))
+    assert_rounded_float32("residual forward", dev.to_host(out), dev.to_host(out32))
+    d1, d2 = dev.asarray(s1), dev.asarray(s2)
+    d1_32, d2_32 = dev.asarray(bf16_to_f32(s1)), dev.asarray(bf16_to_f32(s2))
+    k.residual_backward(dev, d1, d2, dev.asarray(dout))
+    k.residual_backward(dev, d1_32, d2_32, dev.asarray(bf16_to_f32(dout)))
+    assert_rounded_float32("residual backward dinp1", dev.to_host(d1), dev.to_host(d1_32))
+    assert_rounded_float32("residual backward dinp2", dev.to_host(d2), dev.to_host(d2_32))
 
 
 @pytest.mark.gpu
-def test_residual_pairs_kernels_are_the_scalar_kernels_bit_for_bit_at_d12_size(kdev, rng):
-    shape = (4, 1024, 768)                                              # B, T, C of d12
-    for storage in STORAGES:
-        a, b, dout, s1, s2 = (kdev.asarray(rand_storage(rng, shape, storage)).reshape(-1) for _ in range(5))
-        out, outp = residual_forward_both(kdev, a, b, storage)
-        (d1, d2), (d1p, d2p) = residual_backward_both(kdev, s1, s2, dout)
-        for name, got, want in (("forward", outp, out), ("backward dinp1", d1p, d1), ("backward dinp2", d2p, d2)):
-            same = np.mean(host_bits(kdev, got) == host_bits(kdev, want))
-            print(f"residual {name} {storage} {shape}: pairs vs scalar kernel, {same:.6%} of elements bit-identical")
-            np.testing.assert_array_equal(host_bits(kdev, got), host_bits(kdev, want))
+def test_residual_bf16_kernels_match_float32_kernels_at_gpt2_size(kdev, rng):
+    residual_bf16_against_float32(kdev, kernels, rng, (16, 1024, 768))

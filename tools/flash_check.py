@@ -81,25 +81,26 @@ def check_mma():
 # ---- (b) correctness of the fast kernels ---------------------------------------------------------------
 def devices():
     from llmz.device import Device
-    fast = Device("gpu", np.uint16, matmul="cublas", attention="flash")
-    teach = Device("gpu", np.uint16, matmul="numba", attention="flash")
+    fast = Device("gpu", np.uint16, kernel_set="fast", attention="flash")
+    teach = Device("gpu", np.uint16, kernel_set="teaching", attention="flash")
     return fast, teach
 
 
 def run_flash(dev, inp, dout, NH, dinp0=None, name=""):
     """flash forward + backward on dev (bf16 bits in, host arrays out): out, lse, dinp."""
-    from llmz.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from llmz import fast, kernels
+    k = fast if dev.fast else kernels            # the layer functions of the device's kernel set
     B, T, C3 = inp.shape
     out = dev.full((B, T, C3 // 3), 0x7FC0, np.uint16)
     lse = dev.full((B, NH, T), np.nan, np.float32)
     x = dev.asarray(inp)
     step = f"{name} forward"
     try:
-        flash_attention_forward(dev, out, lse, x, NH)
+        k.flash_attention_forward(dev, out, lse, x, NH)
         dev.synchronize()
         step = f"{name} backward"
         dinp = dev.asarray(dinp0) if dinp0 is not None else dev.full(inp.shape, 0x7FC0, np.uint16)
-        flash_attention_backward(dev, dinp, dev.asarray(dout), x, out, lse, NH, accumulate=dinp0 is not None)
+        k.flash_attention_backward(dev, dinp, dev.asarray(dout), x, out, lse, NH, accumulate=dinp0 is not None)
         dev.synchronize()
     except Exception as e:
         raise RuntimeError(f"{step} kernels failed: {e}") from e
@@ -207,8 +208,8 @@ TIMES = {}
 def check_speed(fast):
     from llmz.bf16 import f32_to_bf16
     from llmz.device import Device
-    from llmz.kernels.attention import attention_backward, attention_forward
-    from llmz.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from llmz.fast.attention import attention_backward, attention_forward
+    from llmz.fast.flash_attention import flash_attention_backward, flash_attention_forward
     B, T, NH, hs = 16, 1024, 12, 64
     C = NH * hs
     unit = B * NH * hs * T * (T + 1)            # one causal product's flops
@@ -224,7 +225,7 @@ def check_speed(fast):
     bwd = time_ms(fast, lambda: flash_attention_backward(fast, dinp, dout, inp, out, lse, NH, accumulate=False))
     report("fast flash (bf16)", fwd, bwd)
     try:
-        gemm = Device("gpu", np.uint16, matmul="cublas", attention="gemm")
+        gemm = Device("gpu", np.uint16, kernel_set="fast", attention="gemm")
         pre, att = gemm.zeros((B, NH, T, T)), gemm.zeros((B, NH, T, T))
         dpre, datt = gemm.zeros((B, NH, T, T)), gemm.zeros((B, NH, T, T))
         fwd = time_ms(gemm, lambda: attention_forward(gemm, out, pre, att, inp, NH, upper_is_zero=True))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-side checks, in one command for a lent H200 (see BENCHMARKS.md). Usage:
-#   tools/gpu_checks.sh tests|d12|bench|fast|bf16|stages|graphs|flash|trace|resume|lessons|all|multi   (logs under $OUT, else ./out)
+#   tools/gpu_checks.sh tests|d12|bench|fast|kernels|layers|compile|bf16|stages|graphs|flash|trace|resume|
+#   lessons|all|multi   (logs under $OUT, else ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -24,11 +25,33 @@ fi
 if [[ $what == fast || $what == all ]]; then
   # 50 steps of d12 (byte vocab, B=4, T=1024): the fast path against the teaching kernels
   F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet"
-  run timeout 200 $py -m llmz.train $F --matmul numba --attention direct --log "$OUT/curve_teaching.jsonl" 2>&1 | tail -1
+  run timeout 200 $py -m llmz.train $F --kernels teaching --log "$OUT/curve_teaching.jsonl" 2>&1 | tail -1
   run timeout 100 $py -m llmz.train $F --no-tf32 --log "$OUT/curve_fast_fp32.jsonl" 2>&1 | tail -1
   run timeout 100 $py -m llmz.train $F --log "$OUT/curve_fast_tf32.jsonl" 2>&1 | tail -1
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_fp32.jsonl" --tol 1e-4
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_tf32.jsonl" --tol 1e-2
+fi
+if [[ $what == kernels || $what == all ]]; then
+  # issue 16: d12 trains end to end on the teaching kernels, and its losses follow the fast kernels' (TF32 off:
+  # fp32 tolerance); then the same in bf16
+  F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 1 --sample-tokens 0"
+  run timeout 300 $py -m llmz.train $F --kernels teaching --log "$OUT/kernels_teaching.jsonl" 2>&1 | tail -3
+  run timeout 100 $py -m llmz.train $F --kernels fast --no-tf32 --log "$OUT/kernels_fast_fp32.jsonl" 2>&1 | tail -3
+  run timeout 100 $py -m llmz.train $F --kernels fast --log "$OUT/kernels_fast_tf32.jsonl" 2>&1 | tail -3
+  $py tools/compare_logs.py "$OUT/kernels_teaching.jsonl" "$OUT/kernels_fast_fp32.jsonl" --tol 1e-4
+  $py tools/compare_logs.py "$OUT/kernels_teaching.jsonl" "$OUT/kernels_fast_tf32.jsonl" --tol 1e-2
+  run timeout 300 $py -m llmz.train $F --precision bf16 --kernels teaching --log "$OUT/kernels_teaching_bf16.jsonl" 2>&1 | tail -3
+  run timeout 100 $py -m llmz.train $F --precision bf16 --kernels fast --log "$OUT/kernels_fast_bf16.jsonl" 2>&1 | tail -3
+  $py tools/compare_logs.py "$OUT/kernels_teaching_bf16.jsonl" "$OUT/kernels_fast_bf16.jsonl" --tol 1e-2
+fi
+if [[ $what == layers || $what == all ]]; then
+  # issue 16: each layer's teaching and fast versions at d12 sizes (B=4, T=1024), fp32 and bf16
+  run timeout 600 $py -m llmz.bench --layer all 2>&1 | grep -v Warn | tee "$OUT/layers_fp32.txt"
+  run timeout 600 $py -m llmz.bench --layer all --precision bf16 2>&1 | grep -v Warn | tee "$OUT/layers_bf16.txt"
+fi
+if [[ $what == compile ]]; then
+  # every kernel compiled for sm_90 (also runs without a GPU)
+  run $py tools/compile_check.py 2>&1 | tee "$OUT/compile_check.txt" | tail -3
 fi
 if [[ $what == bf16 || $what == all ]]; then
   # issue 7: every kernel test (bf16 ones included), 50 steps of d12 in bf16 against fp32 (1% per step),

@@ -26,6 +26,7 @@ import numpy as np
 from numba import cuda
 
 from ..device import ceil_div
+from ..kernels import flash_attention as teaching
 from ..kernels.bf16 import pair_view
 from .mma import load_at, pack_bf16x2, store_at
 from .mma import mma_m16n8k16_bf16 as mma
@@ -462,7 +463,25 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
             store_pair(dinp, b, kb, hv + 4 * j + t, dv[4 * j + 2], dv[4 * j + 3], accumulate)
 
 
-# ---- the layer's fast path (llmz.kernels.flash_attention calls these) --------------------------------
+# ---- the layer: the tensor-core kernels where they apply, the teaching kernels elsewhere ------------------
+def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
+    """As llmz.kernels.flash_attention.flash_attention_forward (the same arguments and contract): bf16 values of
+    head size 64 on tensor cores; fp32, fp64 and other head sizes on the teaching kernels (exact, slow: fp32
+    training keeps --attention gemm, cuBLAS TF32, as its default)."""
+    if not fast_applies(inp, inp.shape[2] // 3 // num_heads):
+        return teaching.flash_attention_forward(dev, out, lse, inp, num_heads)
+    flash_attention_forward_fast(dev, out, lse, inp, num_heads)
+
+
+def flash_attention_backward(dev, dinp, dout, inp, out, lse, num_heads, accumulate=True) -> None:
+    """As llmz.kernels.flash_attention.flash_attention_backward, on tensor cores where forward's are."""
+    if not fast_applies(inp, inp.shape[2] // 3 // num_heads):
+        return teaching.flash_attention_backward(dev, dinp, dout, inp, out, lse, num_heads, accumulate)
+    dsum = dev.scratch("flash_attention_dsum", lse.shape, lse.dtype)
+    flash_attention_backward_fast(dev, dinp, dout, inp, out, lse, dsum, num_heads, accumulate)
+
+
+# ---- the kernels' launches ------------------------------------------------------------------------------
 def _flops(B, NH, T, products):
     """Useful flops of `products` causal (T x T / 2) x hs products."""
     return products * B * NH * HS * T * (T + 1)

@@ -1,29 +1,24 @@
 """bfloat16 in the kernels: bf16 values stored as uint16 bit patterns, converted with integer arithmetic.
 
-The device functions here are the same integer arithmetic as the NumPy reference in llmz.bf16, bit for bit
-(read that module's docstring for the formulas and the hash). Every 32-bit quantity is held in a uint64 and
-masked after each multiply: Numba promotes uint32 arithmetic to 64 bits anyway, and this way the simulator
-(NumPy scalars) and the GPU (LLVM integers) compute the same words. Constants are np.uint64: mixing a uint64
-with a signed integer would make Numba compute in float64.
+The device functions here are llmz.bf16's NumPy arithmetic one element at a time, bit for bit (its docstring
+has the formulas and the hash). Every 32-bit quantity is held in a uint64 and masked after each multiply:
+Numba promotes uint32 arithmetic to 64 bits anyway, and so the simulator (NumPy scalars) and the GPU (LLVM
+integers) compute the same words. Constants are np.uint64 (a uint64 mixed with a signed integer would make
+Numba compute in float64). float32 <-> uint32 is the scalar `.view`, a bitcast in the PTX.
 
-float32 <-> uint32 reinterpretation: the NumPy scalar method `np.float32(x).view(np.uint32)` and
-`np.uint32(u).view(np.float32)`. Numba CUDA implements scalar .view as a bitcast (a no-op in the PTX: the
-float is loaded as a u32), and in the simulator it is NumPy's own scalar view; no local-array tricks and no
-libdevice (the simulator has no libdevice).
+One kernel source for float and bf16 storage: kernels read and write activations through
+    load(a, i)   a[i] as a float (uint16: the float32 value of the bf16 bits, exact)
+    store(a, i, v)   a[i] = v (uint16: v as float32, rounded to nearest bf16, ties to even)
+    store_add(a, i, v)   a[i] = a[i] + v (uint16: the add in float32, the sum rounded once)
+(i an int or a tuple). On float32/float64 arrays they are the plain a[i], a[i] = v, a[i] += v. The choice is
+made per array dtype: on the GPU while Numba compiles the kernel (an `overload` returns the body for the
+argument's type), in the simulator at run time (the Python functions below pick the same bodies).
 
-One kernel source for float and bf16 storage: kernels read and write activations through the element
-accessors load(a, i), store(a, i, v), store_add(a, i, v) (i an int or a tuple index). On a uint16 array they
-convert (bf16 -> float32 exactly; float -> bf16 rounded to nearest, ties to even); on a float32/float64 array
-they are the plain a[i], a[i] = v, a[i] += v, so those kernels compute exactly as before. The choice is made
-per array dtype: on the GPU at compile time (a Numba `overload` for the CUDA target returns the body for the
-argument's type, so each specialisation holds only its own path), in the simulator at run time (the
-simulator runs the Python functions below, which pick the same bodies by a.dtype).
-
-Layer functions (kernel on gpu/sim, reference on cpu):
-    to_bf16(dev, out_u16, x_f32, mode='nearest'|'stochastic', seed, step, offset=0)   overwrites out
-    from_bf16(dev, out_f32, x_u16)                                                      overwrites out
-The bf16 ZeRO-2 accumulate (llmz.kernels.accumulate) and AdamW (llmz.kernels.adamw) call these device
-functions.
+Layer functions (kernel on gpu/sim, reference on cpu), both overwriting out:
+    to_bf16(dev, out_u16, x_f32, mode='nearest'|'stochastic', seed, step, offset=0)
+    from_bf16(dev, out_f32, x_u16)
+round_bf16 is also the rounding of the bf16 AdamW (llmz.kernels.adamw) and ZeRO-2 accumulate
+(llmz.kernels.accumulate) kernels.
 """
 import numpy as np
 from numba import cuda, types
@@ -177,57 +172,6 @@ def _store_cuda(a, i, v):
 @overload(store_add, target="cuda")
 def _store_add_cuda(a, i, v):
     return store_add
-
-
-# ---- paired accessors: two neighbouring elements per 4- or 8-byte load (GPU kernels only) -----------
-# A warp of 2-byte loads moves 64 bytes per instruction, and bf16 kernels then run at the load-instruction
-# rate, not the memory's (measured on the H200: the bf16 softmax ran slower than the fp32 one). The paired
-# kernels take a row as words of two elements: the launch passes a bf16 (uint16) array viewed as uint32, a
-# float32 array viewed as uint64 (element 2w in the low half, 2w+1 in the high half: little-endian).
-S32 = np.uint64(32)
-
-
-def _load_pair_bf16(a, i):
-    w = np.uint64(a[i])
-    return bf16_to_f32_dev(w & M16), bf16_to_f32_dev(w >> S16)
-
-
-def _load_pair_f32(a, i):
-    w = np.uint64(a[i])
-    return np.uint32(w & M32).view(np.float32), np.uint32(w >> S32).view(np.float32)
-
-
-def _store_pair_bf16(a, i, v0, v1):
-    a[i] = np.uint32(np.uint64(round_nearest_bits(f32_bits(v0))) | (np.uint64(round_nearest_bits(f32_bits(v1))) << S16))
-
-
-def _store_pair_f32(a, i, v0, v1):
-    a[i] = f32_bits(v0) | (f32_bits(v1) << S32)
-
-
-def load_pair(a, i):
-    """Word a[i] as its two elements (float32): a uint32 word holds two bf16, a uint64 word two float32."""
-    return (_load_pair_bf16 if a.dtype == np.uint32 else _load_pair_f32)(a, i)
-
-
-def store_pair(a, i, v0, v1):
-    """Word a[i] = (v0, v1): bf16 rounded to nearest (uint32 words) or float32 (uint64 words). Overwrites."""
-    (_store_pair_bf16 if a.dtype == np.uint32 else _store_pair_f32)(a, i, v0, v1)
-
-
-def pair_view(x):
-    """The paired view of a float32 or bf16 array whose last axis has an even length (CuPy or NumPy)."""
-    return x.view(np.uint32 if x.dtype == np.uint16 else np.uint64)
-
-
-@overload(load_pair, target="cuda")
-def _load_pair_cuda(a, i):
-    return _load_pair_bf16 if a.dtype == types.uint32 else _load_pair_f32
-
-
-@overload(store_pair, target="cuda")
-def _store_pair_cuda(a, i, v0, v1):
-    return _store_pair_bf16 if a.dtype == types.uint32 else _store_pair_f32
 
 
 # ---- Numba kernels: one thread per element ------------------------------------------------------

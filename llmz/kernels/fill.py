@@ -1,16 +1,14 @@
-"""Fill a buffer with a constant (the zeroing of gradient and scratch buffers before backward accumulates).
+"""Fill a buffer with a constant: the zeroing of gradient and scratch buffers before backward accumulates.
 
 A kernel rather than `x[...] = 0` so that on the GPU it runs on the compute stream, in order with the
-layers, with no host synchronisation.
-
-x may be float32, float64 or uint16 (bf16 bits: filled with the bits of value rounded to nearest bf16),
-written through llmz.kernels.bf16's store.
+layers, with no host synchronisation. One thread per element; x any shape, float32, float64 or uint16 (bf16
+bits: filled with the bits of value rounded to nearest bf16), written through llmz.kernels.bf16's store.
+Overwrites x.
 """
 import numpy as np
 from numba import cuda
 
 from ..bf16 import f32_to_bf16, is_bf16
-from ..device import ceil_div
 from .bf16 import store
 
 
@@ -20,28 +18,21 @@ def fill_ref(x, value):
 
 
 @cuda.jit
-def fill_kernel(x, value, n):
-    # x (n,). Overwrites x[i] with value.
+def fill_kernel(x, n, value):
+    """x: (n,). One thread per element. Overwrites x[i] with value."""
     i = cuda.grid(1)
     if i < n:
         store(x, i, value)
 
 
-def fill(dev, x, value=0.0, stream=None):
+def fill(dev, x, value=0.0, stream=None) -> None:
+    """x = value everywhere, on the compute stream (or `stream`). Overwrites x."""
     if not dev.kernels:
         return fill_ref(x, value)
-    n = x.size
-    if n == 0:
-        return
-    dev.launch(fill_kernel, ceil_div(n, dev.block_size), dev.block_size, x.reshape(-1), value, n,
-               stream=stream)
+    if x.size:
+        dev.launch_per_element(fill_kernel, (x,), value, stream=stream)
 
 
-def zero(dev, x, stream=None):
-    """x = 0. On the GPU a memset (cudaMemsetAsync: all-zero bits are 0.0) on the compute stream or
-    `stream`; capturable into a CUDA graph like a kernel."""
-    if dev.kind == "gpu" and x.flags.c_contiguous:
-        with dev.region("memset", nbytes=x.nbytes, stream=stream):
-            x.data.memset_async(0, x.nbytes, (stream or dev.compute_stream).cupy)
-        return
+def zero(dev, x, stream=None) -> None:
+    """x = 0 (fill_kernel with 0.0). Overwrites x."""
     fill(dev, x, 0.0, stream=stream)

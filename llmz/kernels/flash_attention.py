@@ -284,24 +284,13 @@ def _check_head_size(hs: int) -> None:
                          f"got head size {hs}")
 
 
-def _fast(dev) -> bool:
-    """The tensor-core kernels (llmz.fast.flash_attention): the fast set, bf16 values, head size 64."""
-    return dev.matmul == "cublas"
-
-
 def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
     """inp (B,T,3C) -> out (B,T,C) and lse (B,NH,T), the per-row log-sum-exp kept for backward.
-    Overwrites out and lse. With the fast kernels (dev.matmul == 'cublas') bf16 values of head size 64 run
-    on tensor cores (llmz.fast.flash_attention); fp32, fp64 and other head sizes run these teaching kernels
-    (exact, slow: fp32 training keeps --attention gemm, cuBLAS TF32, as its default)."""
+    Overwrites out and lse. (llmz.fast.flash_attention runs bf16 values of head size 64 on tensor cores.)"""
     if not dev.kernels:
         return flash_attention_forward_ref(out, lse, inp, num_heads)
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
-    if _fast(dev):
-        from ..fast.flash_attention import fast_applies, flash_attention_forward_fast
-        if fast_applies(inp, hs):
-            return flash_attention_forward_fast(dev, out, lse, inp, num_heads)
     _check_head_size(hs)
     dev.launch(flash_attention_forward_kernel, (ceil_div(T, BLOCK), num_heads, B), BLOCK,
                out, lse, inp, 1.0 / math.sqrt(hs))
@@ -315,10 +304,6 @@ def flash_attention_backward(dev, dinp, dout, inp, out, lse, num_heads, accumula
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
     dsum = dev.scratch("flash_attention_dsum", lse.shape, lse.dtype)
-    if _fast(dev):
-        from ..fast.flash_attention import fast_applies, flash_attention_backward_fast
-        if fast_applies(inp, hs):
-            return flash_attention_backward_fast(dev, dinp, dout, inp, out, lse, dsum, num_heads, accumulate)
     _check_head_size(hs)
     scale = 1.0 / math.sqrt(hs)
     # D = rowsum(dout * out)

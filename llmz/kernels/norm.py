@@ -1,4 +1,4 @@
-"""The global gradient norm and gradient clipping.
+"""The global gradient norm and gradient clipping (llm.c: global_norm_squared, and the grad_scale its AdamW takes).
 
     norm_sq = sum_i x_i^2                     (over one rank's gradients; ranks all-reduce norm_sq)
     scale   = clip / sqrt(norm_sq)  if clip > 0 and sqrt(norm_sq) > clip,  else 1
@@ -55,12 +55,13 @@ def global_norm_ref(arrays) -> float:
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
-# shared-memory block reductions (the classifier and attention use them too): a tree over buf[0:n], in the
-# same order every run. Every thread of the block calls them; thread tid takes slots tid, tid + blockDim, ...
-# of each level (one slot when n <= blockDim; the classifier's paired kernels reduce n = 2 blockDim values).
-# buf[0] holds the result on return.
+# shared-memory block reductions, the teaching kernels' (layernorm, classifier, the norm) and llmz.fast's
+# classifier's: a tree over buf[0:n], in the same order every run. Every thread of the block calls them; thread
+# tid takes slots tid, tid + blockDim, ... of each level (one slot when n <= blockDim; the fast classifier's
+# paired kernels reduce n = 2 blockDim values). buf[0] holds the result on return.
 @cuda.jit(device=True)
-def block_sum(buf, tid, n):
+def block_reduce(buf, tid, n, take_max):
+    """buf[0] = the sum of buf[0:n], or (take_max) their max."""
     half = 1
     while half < n:
         half *= 2
@@ -68,59 +69,60 @@ def block_sum(buf, tid, n):
     while half > 0:
         for i in range(tid, half, cuda.blockDim.x):
             if i + half < n:
-                buf[i] += buf[i + half]
+                buf[i] = max(buf[i], buf[i + half]) if take_max else buf[i] + buf[i + half]
         cuda.syncthreads()
         half //= 2
+
+
+@cuda.jit(device=True)
+def block_sum(buf, tid, n):
+    block_reduce(buf, tid, n, False)
 
 
 @cuda.jit(device=True)
 def block_max(buf, tid, n):
-    half = 1
-    while half < n:
-        half *= 2
-    half //= 2
-    while half > 0:
-        for i in range(tid, half, cuda.blockDim.x):
-            if i + half < n:
-                buf[i] = max(buf[i], buf[i + half])
-        cuda.syncthreads()
-        half //= 2
+    block_reduce(buf, tid, n, True)
+
+
+@cuda.jit(device=True)
+def block_total(buf, v, take_max):
+    """Every thread of the block calls it with its v: returns, in every thread, the float64 sum of the block's
+    v's (take_max: their max) in the tree's order. buf: shared float64 of >= blockDim, free on return."""
+    tid = cuda.threadIdx.x
+    buf[tid] = v
+    cuda.syncthreads()
+    block_reduce(buf, tid, cuda.blockDim.x, take_max)
+    total = buf[0]
+    cuda.syncthreads()                  # everyone has read buf[0] before buf is reused
+    return total
 
 
 @cuda.jit
 def norm_partial_kernel(scratch, x, n):
     """Pass 1, grid of nblocks: scratch[block] = sum of x[i]^2 over the i this block strides over."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     # each thread: a grid-stride loop, accumulating in float64
-    s = 0.0
+    s = np.float64(0.0)
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         xi = numba.float64(load(x, i))
         s += xi * xi
-    buf[tid] = s
-    cuda.syncthreads()
     # the block's threads, in a fixed tree order
-    block_sum(buf, tid, nt)
-    if tid == 0:
-        scratch[cuda.blockIdx.x] = buf[0]
+    total = block_total(buf, s, False)
+    if cuda.threadIdx.x == 0:
+        scratch[cuda.blockIdx.x] = total
 
 
 @cuda.jit
 def norm_final_kernel(out, scratch, nblocks, accumulate):
     """Pass 2, one block: out[0] = sum of scratch[0:nblocks], in a fixed order. Overwrites out[0]
     (accumulate: adds to it)."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
-    s = 0.0
-    for j in range(tid, nblocks, nt):
+    s = np.float64(0.0)
+    for j in range(cuda.threadIdx.x, nblocks, cuda.blockDim.x):
         s += scratch[j]
-    buf[tid] = s
-    cuda.syncthreads()
-    block_sum(buf, tid, nt)
-    if tid == 0:
-        out[0] = out[0] + buf[0] if accumulate else buf[0]
+    total = block_total(buf, s, False)
+    if cuda.threadIdx.x == 0:
+        out[0] = out[0] + total if accumulate else total
 
 
 @cuda.jit

@@ -1,54 +1,31 @@
-"""Column sums over many rows, deterministic and parallel: out (C,) (+)= x (N,C) summed over the N rows.
+"""The one-launch column sums: out (C,) += x (N,C) summed over the N rows, deterministic and parallel. They
+replace llmz/kernels/matmul.py's matmul_backward_bias_kernel (one thread per column looping over all N rows:
+only C threads, each N dependent adds) as matmul's bias gradient; layernorm's dweight/dbias (llmz.fast.layernorm)
+is built from the same pieces. Contract: the same float64 sum in another fixed order, rounded once into out:
+within one rounding of the teaching kernel's result (float32: an ulp; bf16: a bf16 step).
 
-One thread per column looping over all N rows (the teaching version, see matmul_dbias_kernel) is
-deterministic but latency-bound: only C threads, each N dependent adds. The two-stage version here, one launch:
   stage 1  grid (ceil(C/32), R): block (x, y) takes a strip of COLSUM_STRIP = 32 columns and a chunk of
-           rows_per_block rows, R = ceil(N / rows_per_block). Its threads are (32 columns) x (lanes):
-           threadIdx.x is the column, so a warp reads 32 consecutive elements of one row (coalesced);
-           lane threadIdx.y takes rows y, y+lanes, ... of the chunk. Each thread sums in float64, the
-           lanes are added in lane order in shared memory and the block writes partial[y, 32x:32x+32],
-           a float64 (R, C) scratch buffer.
-  stage 2  in the block that finishes its strip last (last_in_strip, the "last block" of CUDA's
-           threadFenceReduction sample: each block counts itself on an int32 counter per strip, and the one
-           that counts R reads the strip's R partials and resets the counter to 0): lane y sums partial rows
-           y, y+lanes, ... in order, the lanes are added in lane order and the sum added into (or written
-           to) out[c]. Which block that is changes from run to run; what it adds, and in which order, does not.
-Every thread's loop over its rows (sum_rows) issues its loads ROW_LOADS = 8 at a time and then adds the
-eight in row order: eight loads in flight per thread, the adds in the order of a plain loop. (Before, bf16 on
-the H200: stage 1 ran at 812 GB/s with the four loads in flight the compiler's own unrolling gave it, 16 KB
-per SM at 2 bytes a load; stage 2 was one thread per column summing all R partials in 3 to 12 blocks, 33 us
-per call; then a second launch of 24 to 96 blocks over the partials, column_sum_final_kernel, 16 us per call,
-0.79 ms in 48 calls of a d12 bf16 step at B=16, plus a dependent launch's gap in the CUDA graph. After, one
-launch: 2.52 ms in 48 calls, against 2.20 + 0.79 before.)
-The order of every add depends only on N, C, rows_per_block and lanes (fixed per device kind): the same
-bits every run, no float atomics (the only atomic counts blocks). At N=16384 rows, C=768: 24 x 64 blocks
-of 256 threads, the last of each strip's 64 also summing the 64 partials, 8 per lane.
-
-x and out may be float32, float64 or uint16 (bf16 bits; read through llmz.kernels.bf16's load, out written
-through store / store_add: the float64 sum added to out's value, rounded to float32 then to nearest bf16);
-the partial sums stay float64.
-
-Other kernels with the same shape of problem (layernorm's dweight and dbias) reuse the pieces: colsum_geometry
-for the launch, stage_rows / sum_rows / strip_partial for stage 1, last_in_strip and column_total for stage 2.
-
-Paired (GPU, float32 and bf16 x, C even, x contiguous and word-aligned: pairs_fit): column_sum_pairs_kernel reads
-x as llmz.kernels.bf16's pair_view words of two neighbouring columns (a bf16 pair one 4-byte load, a float32
-pair one 8-byte load), so a warp reads 64 columns of a row per load instruction: strips of COLSUM_PAIR_STRIP =
-64 columns (32 words), ceil(C/64) counters, the same rows_per_block, lanes, R and (R, C) float64 partials.
-Each thread keeps two float64 sums, one per column, and every column's adds are those of column_sum_kernel
-(rows, lanes, partials and stage 2 in the same order): the same bits. Before (column_sum_kernel, bf16, d12
-B=16 T=1024 on the H200): 2.52 ms per step in 48 calls, ~1.09 TB/s of a ~4.8 TB/s card, a warp moving 64
-bytes per 2-byte load instruction. After: 1.37 ms, ~2.0 TB/s (the scalar kernel's "eight loads in flight" had
-compiled to about one: see the unsigned indices below).
+           rows_per_block rows, R = ceil(N / rows_per_block); threads (32 columns) x (lanes): threadIdx.x is the
+           column (a warp reads 32 consecutive elements of a row), lane y takes rows y, y+lanes, ... of the
+           chunk, ROW_LOADS = 8 loads in flight (sum_rows). Each thread sums in float64, the lanes are added
+           in lane order and the block writes partial[y, 32x:32x+32] (float64 (R, C) scratch).
+  stage 2  in the block that finishes its strip last (last_in_strip: each block counts itself on an int32
+           counter per strip; the one that counts R reads the strip's partials and resets the counter, CUDA's
+           threadFenceReduction sample): lane y sums partial rows y, y+lanes, ... in order, the lanes in lane
+           order, and the sum goes into out[c]. Which block that is changes from run to run; what it adds, and
+           in which order, does not (the order depends only on N, C, rows_per_block and lanes).
+Paired (float32 and bf16 x, C even, contiguous and word-aligned: pairs_fit): column_sum_pairs_kernel reads x
+as llmz.fast.device_helpers' words of two neighbouring columns, strips of 64 columns, each column added as
+column_sum_kernel adds it: the same bits as column_sum_kernel. x and out may be float32, float64 or uint16
+(bf16 bits, through llmz.kernels.bf16's load / store_add); the partial sums are float64.
 """
 import numba
 import numpy as np
-from numba import config, cuda
+from numba import cuda
 
-from ..bf16 import is_bf16, run_in_f32
 from ..device import ceil_div
-from .bf16 import load, load_pair, pair_view, store, store_add
-from .gelu import address
+from ..kernels.bf16 import load, store_add
+from .device_helpers import address, bounded_jit, load_pair, pair_view
 
 # columns per stage-1 block: one warp reads 32 consecutive columns of a row
 COLSUM_STRIP = 32
@@ -77,25 +54,9 @@ MAX_LANES = 32
 PAIRS_THREADS, PAIRS_BLOCKS_PER_SM = COLSUM_STRIP * COLSUM_LANES, 6
 
 
-def bounded_jit(max_threads: int, min_blocks: int):
-    """cuda.jit with launch bounds (max_threads per block, min_blocks per SM) on the GPU; plain cuda.jit in the
-    simulator, which takes no launch bounds (and has no registers to bound)."""
-    return cuda.jit if config.ENABLE_CUDASIM else cuda.jit(launch_bounds=(max_threads, min_blocks))
 # the loads a thread issues together in sum_rows (written out as x0..x7 there): 8 bf16 loads of 2 bytes per
 # thread, 2048 threads per SM, 32 KB in flight per SM (about 4 TB/s at ~1 us loaded latency, 132 SMs)
 ROW_LOADS = 8
-
-
-# ---- NumPy reference ----------------------------------------------------------------------------
-def column_sum_ref(out, x, accumulate=True):
-    """out: (C,); x: (..., C). Accumulates (+=) the sums over all rows of x into out (accumulate=False:
-    overwrites out). Sums in float64 as the kernel does; out keeps its dtype (uint16: bf16 bits, the
-    float64 sum added to out's float32 value, rounded to nearest)."""
-    if is_bf16(out) or is_bf16(x):
-        return run_in_f32(lambda o, v: column_sum_ref(o, v, accumulate), (out, x), written=(0,))
-    C = x.shape[-1]
-    s = x.reshape(-1, C).sum(axis=0, dtype=np.float64)
-    out[...] = out + s if accumulate else s
 
 
 # ---- the pieces a two-stage kernel is built from ----------------------------------------------------
@@ -111,10 +72,10 @@ def colsum_geometry(dev, N: int, C: int, rows_per_block: int | None = None, pair
     return (ceil_div(C, strip), R), (COLSUM_STRIP, lanes), R, rows
 
 
-def pairs_fit(dev, *xs) -> bool:
-    """The paired kernels apply to these (rows, C) arrays: on the GPU, each float32 or bf16 (uint16), C even,
-    C-contiguous, starting on a word boundary (so every row does: C is even)."""
-    return dev.kind == "gpu" and all(
+def pairs_fit(*xs) -> bool:
+    """The paired kernels apply to these (rows, C) arrays: each float32 or bf16 (uint16), C even, C-contiguous,
+    starting on a word boundary (so every row does: C is even)."""
+    return all(
         x.ndim == 2 and x.shape[1] % 2 == 0 and x.shape[1] > 0 and x.dtype in (np.float32, np.uint16)
         and x.flags.c_contiguous and address(x) % (2 * x.itemsize) == 0 for x in xs)
 
@@ -373,10 +334,10 @@ def column_total_pair(buf, partial, c):
 
 # ---- Numba kernels ------------------------------------------------------------------------------
 @cuda.jit
-def column_sum_kernel(out, partial, counters, x, rows_per_block, accumulate):
+def column_sum_kernel(out, partial, counters, x, rows_per_block):
     """out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and left zero);
     x: (N,C). Grid (ceil(C/32), R), block (32, lanes). Overwrites partial[blockIdx.y, columns of this strip];
-    the last block of each strip accumulates (+=) the strip's sums into out (accumulate False: overwrites)."""
+    the last block of each strip accumulates (+=) the strip's sums into out."""
     N, C = x.shape
     buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
     flag = cuda.shared.array(1, numba.int32)
@@ -390,19 +351,16 @@ def column_sum_kernel(out, partial, counters, x, rows_per_block, accumulate):
         return
     s = column_total(buf, partial, c)
     if cuda.threadIdx.y == 0 and c < C:
-        if accumulate:
-            store_add(out, c, s)
-        else:
-            store(out, c, s)
+        store_add(out, c, s)
 
 
 @bounded_jit(PAIRS_THREADS, PAIRS_BLOCKS_PER_SM)
-def column_sum_pairs_kernel(out, partial, counters, x, rows_per_block, accumulate):
+def column_sum_pairs_kernel(out, partial, counters, x, rows_per_block):
     """column_sum_kernel on words: x: (N, C/2) pair_view words of an (N,C) float32 or bf16 array, C even;
     out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/64),) int32, zero (and left zero). Grid
     (ceil(C/64), R), block (32, lanes): thread (tx, y) of block (x, y) takes word 32x + tx, columns 64x + 2tx
     and +1. Overwrites partial[blockIdx.y, columns of this strip]; the strip's last block accumulates (+=) the
-    sums into out (accumulate False: overwrites). Every column's adds are column_sum_kernel's: the same bits."""
+    sums into out. Every column's adds are column_sum_kernel's: the same bits."""
     N, W = x.shape
     C = 2 * W
     buf = cuda.shared.array((MAX_LANES, COLSUM_PAIR_STRIP), numba.float64)
@@ -418,30 +376,20 @@ def column_sum_pairs_kernel(out, partial, counters, x, rows_per_block, accumulat
         return
     s0, s1 = column_total_pair(buf, partial, c)
     if cuda.threadIdx.y == 0 and c < C:
-        if accumulate:
-            store_add(out, c, s0)
-            store_add(out, c + 1, s1)
-        else:
-            store(out, c, s0)
-            store(out, c + 1, s1)
+        store_add(out, c, s0)
+        store_add(out, c + 1, s1)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
-def column_sum(dev, out, x, accumulate: bool = True, rows_per_block: int | None = None) -> None:
-    """out: (C,); x: (..., C). Accumulates (+=) the column sums of x into out (accumulate=False: overwrites).
-    Uses dev.scratch("colsum", (R, C), float64) for the partial sums and dev.scratch("colsum_count",
-    (strips,), int32) for the blocks counted per strip (zero between launches): ceil(C/32) strips, or
-    ceil(C/64) where the paired kernel runs (pairs_fit: GPU, float32/bf16 x, C even, aligned)."""
-    if not dev.kernels:
-        return column_sum_ref(out, x, accumulate)
+# ---- the layer ---------------------------------------------------------------------------------
+def column_sum(dev, out, x, rows_per_block: int | None = None) -> None:
+    """out: (C,); x: (..., C). Accumulates (+=) the column sums of x into out. Uses dev.scratch("colsum", (R, C),
+    float64) for the partial sums and dev.scratch("colsum_count", (strips,), int32) for the blocks counted per
+    strip (zero between launches): ceil(C/32) strips, or ceil(C/64) where the paired kernel runs (pairs_fit)."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
-    pairs = pairs_fit(dev, x2)
+    pairs = pairs_fit(x2)
     grid, block, R, rows = colsum_geometry(dev, x2.shape[0], C, rows_per_block, pairs)
     partial = dev.scratch("colsum", (R, C), np.float64)
     counters = dev.scratch("colsum_count", grid[0], np.int32)
-    if pairs:
-        dev.launch(column_sum_pairs_kernel, grid, block, out, partial, counters, pair_view(x2), rows,
-                   bool(accumulate))
-        return
-    dev.launch(column_sum_kernel, grid, block, out, partial, counters, x2, rows, bool(accumulate))
+    dev.launch(column_sum_pairs_kernel if pairs else column_sum_kernel, grid, block, out, partial, counters,
+               pair_view(x2) if pairs else x2, rows)
