@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmz.device import ceil_div
 from llmz.fast import flash_attention as v1
+from llmz.fast.device_helpers import pair_view
 from llmz.fast.flash_attention import FULL, HS, LOG2E, NEG, ONE, WORDS, ZERO, store_pair
 from llmz.fast.mma import (
     cp_async4,
@@ -71,7 +72,6 @@ from llmz.fast.mma import (
     tile_copy_chunk,
 )
 from llmz.fast.mma import mma_m16n8k16_bf16 as mma
-from llmz.kernels.bf16 import pair_view
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 BC = 64                     # rows of a streamed tile (keys in forward and dq, queries in dk/dv)

@@ -3,9 +3,8 @@ teaching kernels (simulator or GPU) against the reference, and on a GPU the tens
 (llmz.fast.flash_attention, llmz.fast.mma) against float64 and against the teaching kernels."""
 import numpy as np
 import pytest
-from test_bf16_storage import NAN_BF16, assert_within_one_step, rand_bf16
 
-from helpers import finite_diff, poisoned, rel_err
+from helpers import NAN_BF16, assert_within_one_step, finite_diff, poisoned, rand_bf16, rel_err
 from llmz import fast, kernels
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.kernels.attention import attention_backward_ref, attention_forward_ref

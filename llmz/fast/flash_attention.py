@@ -27,7 +27,7 @@ from numba import cuda
 
 from ..device import ceil_div
 from ..kernels import flash_attention as teaching
-from ..kernels.bf16 import pair_view
+from .device_helpers import pair_view
 from .mma import load_at, pack_bf16x2, store_at
 from .mma import mma_m16n8k16_bf16 as mma
 
