@@ -295,7 +295,7 @@ def test_column_sum_pairs_kernel_gives_the_scalar_kernels_bits_at_gpt2_size(fdev
     np.testing.assert_array_equal(counters_p, 0)
     # the layer picks the paired kernel here; its time against the scalar kernel's
     xd = fdev.asarray(x)
-    assert pairs_fit(fdev, xd)
+    assert pairs_fit(xd)
     out = fdev.asarray(start)
     times = {}
     for kernel, pairs in ((column_sum_kernel, False), (column_sum_pairs_kernel, True)):
