@@ -5,7 +5,8 @@
 Needs the CUDA toolkit's libnvvm and ptxas (not a GPU, not NVRTC). Writes OUTDIR/<kernel>.ptx and .cubin
 (default /tmp/flash_ptx) and prints, per kernel, the counts of the instructions that matter in the PTX (mma,
 ldmatrix, cp.async, 16-byte loads), local-memory use, float64 instructions (there should be none) and
-ptxas's summary line (registers, spills, shared memory). --dev: also dev/flash_attention.py's versions;
+ptxas's summary line (registers, spills, shared memory). --dev: also dev/flash_attention.py's versions'
+kernels that llmz.fast does not have (version 1's, and the other block shapes of versions 2, 3, 6);
 --only=SUBSTRING (repeatable): just the kernels whose names contain it.
 """
 import os
@@ -45,16 +46,17 @@ KERNELS = {
 
 
 def dev_kernels():
-    """dev/flash_attention.py's kernels: (label, kernel, signature)."""
+    """dev/flash_attention.py's kernels that are not llmz.fast's: (label, kernel, signature)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
     import flash_attention as dev
+    import flash_attention_v1 as v1
     fwd_sig, bwd_sig = KERNELS["flash_forward_mma_kernel"], KERNELS["flash_dq_mma_kernel"]
-    out = [("dev_rowsum_v4_kernel", dev.rowsum_v4_kernel, KERNELS["flash_rowsum_kernel"])]
-    for label, (fwd, dq, dkv) in (("rows64", dev.K64), ("rows128", dev.K128)):
-        out += [(f"dev_{label}_forward", fwd, fwd_sig), (f"dev_{label}_dq", dq, bwd_sig),
-                (f"dev_{label}_dkv", dkv, bwd_sig)]
-    out += [("dev_2m_forward", dev.F2M, fwd_sig), ("dev_rows64_dq_2blocks", dev.K64B2[1], bwd_sig)]
-    return out
+    return [("dev_v1_forward", v1.flash_forward_mma_kernel, fwd_sig),
+            ("dev_v1_rowsum", v1.flash_rowsum_kernel, KERNELS["flash_rowsum_kernel"]),
+            ("dev_v1_dkv", v1.flash_dkv_mma_kernel, bwd_sig), ("dev_v1_dq", v1.flash_dq_mma_kernel, bwd_sig),
+            ("dev_rows64_forward", dev.FWD64, fwd_sig), ("dev_rows64_dq", dev.DQ64, bwd_sig),
+            ("dev_rows64_dq_2blocks", dev.DQ64B2, bwd_sig),
+            ("dev_rows128_forward", dev.FWD128, fwd_sig), ("dev_rows128_dkv", dev.DKV128, bwd_sig)]
 
 
 def compile_and_report(name, kernel, sig, outdir):
