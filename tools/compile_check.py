@@ -153,7 +153,8 @@ def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
     module, name = target.split(":")
     kernel = getattr(importlib.import_module(module), name)
     bounds = kernel.targetoptions.get("launch_bounds")
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds)
+    fastmath = kernel.targetoptions.get("fastmath", False)        # as the kernel's own jit compiles it
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds, fastmath=fastmath)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
