@@ -50,7 +50,8 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
                    help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, llmz/kernels/, "
                    "elsewhere)")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="as in llmz.train (default auto: gemm on a GPU, direct elsewhere; flash: FlashAttention-2)")
+                   help="as in llmz.train (default auto: on a GPU flash in bf16, gemm in fp32; direct elsewhere; flash: "
+                   "FlashAttention-2)")
     p.add_argument("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
     p.add_argument("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
     p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")

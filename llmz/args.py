@@ -305,7 +305,7 @@ def check_kernels(args, kind: str) -> None:
     from .device import kernel_paths
     try:
         kernel_paths(kind, getattr(args, "kernels", "auto"), getattr(args, "matmul", "auto"),
-                     getattr(args, "attention", "auto"))
+                     getattr(args, "attention", "auto"), getattr(args, "precision", "fp32"))
     except ValueError as e:
         fail(str(e))
 

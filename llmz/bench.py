@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32")
     a("--kernels", choices=KERNEL_SETS, default="auto", help="as in llmz.train: fast (GPU default) or teaching")
     a("--matmul", choices=MATMULS, default="auto", help="as in llmz.train: cublas or numba (the tiled kernel)")
-    a("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train: gemm, direct or flash")
+    a("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train: flash, gemm or direct "
+      "(default auto: on a GPU flash in bf16, gemm in fp32)")
     a("--no-tf32", action="store_true")
     a("--no-cuda-graph", action="store_true")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",

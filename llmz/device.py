@@ -11,8 +11,9 @@ NumPy reference) and `fast` (llmz/fast/: the kernels that won, each tested again
 default is fast on a GPU and teaching elsewhere; on cpu the teaching set means the NumPy references. The
 fast set also runs in the simulator (its warp shuffles emulated there), with the tiled product in place of
 cuBLAS. --matmul and --attention refine it: the products by cuBLAS (fast, GPU) or the tiled teaching
-kernel; attention as cuBLAS batched products around a softmax kernel (fast, GPU) or the direct teaching
-kernels. The layer code never asks which device it runs on: it calls `dev.launch(kernel, grid, block,
+kernel; attention as flash attention (never storing the T x T scores; on a GPU in bf16 the fast set's
+tensor-core kernels, the default there), cuBLAS batched products around a softmax kernel (fast, GPU: the
+fp32 default) or the direct teaching kernels. The layer code never asks which device it runs on: it calls `dev.launch(kernel, grid, block,
 *args)` or, when `dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on
 cpu and sim they are no-ops because everything already runs in program order.
 """
@@ -64,9 +65,9 @@ def resolve(kind: str) -> str:
 
 
 def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
-                 attention: str = "auto") -> tuple[str, str, str]:
-    """(kernel set, matmul, attention) for a resolved device kind and the flags: 'auto' filled in, and a
-    ValueError of one line for a combination that cannot run."""
+                 attention: str = "auto", precision: str = "fp32") -> tuple[str, str, str]:
+    """(kernel set, matmul, attention) for a resolved device kind, the flags and the precision ('fp32', 'fp64'
+    or 'bf16'): 'auto' filled in, and a ValueError of one line for a combination that cannot run."""
     if kernel_set not in KERNEL_SETS or matmul not in MATMULS or attention not in ATTENTIONS:
         raise ValueError(f"unknown --kernels {kernel_set!r}, --matmul {matmul!r} or --attention {attention!r}")
     if kernel_set == "auto":
@@ -83,8 +84,12 @@ def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
         raise ValueError("--attention gemm reads each head in place with cuBLAS: it needs --kernels fast and "
                          "--matmul cublas on a GPU (use --attention direct)")
     if attention == "auto":
-        # (the GPU default becomes "flash" here once the H200 measures it faster than "gemm": issue 17)
-        attention = "gemm" if matmul == "cublas" else "direct"
+        # on a GPU: bf16 attention on tensor cores (llmz.fast.flash_attention: 39.0 ms a d12 step against
+        # gemm's 50.8, H200, BENCHMARKS.md); fp32 keeps cuBLAS's TF32 products around the softmax kernels
+        if matmul == "cublas":
+            attention = "flash" if precision == "bf16" else "gemm"
+        else:
+            attention = "direct"
     return kernel_set, matmul, attention
 
 
@@ -206,7 +211,9 @@ class Device:
         self.kernels = self.kind in ("gpu", "sim")       # False: run the NumPy references
         # which kernels run (--kernels: llmz.kernels, the teaching set, or llmz.fast), how products are
         # computed (cuBLAS or the tiled kernel) and attention (gemm, direct or flash): kernel_paths
-        self.kernel_set, self.matmul, self.attention = kernel_paths(self.kind, kernel_set, matmul, attention)
+        precision = "bf16" if self.dtype == np.uint16 else "fp64" if self.dtype == np.float64 else "fp32"
+        self.kernel_set, self.matmul, self.attention = kernel_paths(self.kind, kernel_set, matmul, attention,
+                                                                    precision)
         self.fast = self.kernel_set == "fast"
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None

@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
       "and on cpu, where it means the NumPy references)")
     a("--matmul", choices=MATMULS, default="auto", help="the products: cublas (cuBLAS, TF32 for fp32; the "
       "default with --kernels fast on a GPU) or numba (the tiled teaching kernel)")
-    a("--attention", choices=ATTENTIONS, default="auto", help="gemm (the default with cuBLAS: batched "
-      "per-head products around a softmax kernel, llm.c's non-cuDNN path), direct (the teaching kernels, one "
-      "per step of the math) or flash (FlashAttention-2: no T x T buffers; on tensor cores for bf16 with "
-      "--kernels fast)")
+    a("--attention", choices=ATTENTIONS, default="auto", help="flash (FlashAttention-2: no T x T buffers; on "
+      "tensor cores for bf16 with --kernels fast, the default there), gemm (the fp32 default with cuBLAS: "
+      "batched per-head products around a softmax kernel, llm.c's non-cuDNN path) or direct (the teaching "
+      "kernels, one per step of the math)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")

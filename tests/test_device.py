@@ -12,6 +12,11 @@ from llmz.device import kernel_paths
 
 @pytest.mark.parametrize("kind, flags, want", [
     ("gpu", (), ("fast", "cublas", "gemm")),
+    ("gpu", ("auto", "auto", "auto", "bf16"), ("fast", "cublas", "flash")),
+    ("gpu", ("auto", "auto", "gemm", "bf16"), ("fast", "cublas", "gemm")),
+    ("gpu", ("auto", "auto", "auto", "fp64"), ("fast", "cublas", "gemm")),
+    ("gpu", ("teaching", "auto", "auto", "bf16"), ("teaching", "numba", "direct")),
+    ("sim", ("fast", "auto", "auto", "bf16"), ("fast", "numba", "direct")),
     ("gpu", ("teaching",), ("teaching", "numba", "direct")),
     ("gpu", ("fast", "numba"), ("fast", "numba", "direct")),
     ("gpu", ("fast", "cublas", "direct"), ("fast", "cublas", "direct")),
