@@ -10,7 +10,7 @@ and prints ms per step, tokens/s, MFU and the GPU memory held.
                 timed in the same process; prints the ratio
   --layer NAME  instead of a step, one layer's teaching and fast versions side by side at the model's sizes
                 (llm.c's dev/cuda role: llmz.bench_layers): error against the NumPy reference, us per call,
-                GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, gelu, residual, classifier,
+                GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, gelu, residual, classifier,
                 adamw, norm, accumulate, a comma-separated list, or all
 """
 from __future__ import annotations

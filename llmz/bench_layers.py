@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-LAYERS = ("encoder", "layernorm", "matmul", "attention", "gelu", "residual", "classifier", "adamw", "norm",
-          "accumulate")
+LAYERS = ("encoder", "layernorm", "matmul", "attention", "flash", "gelu", "residual", "classifier", "adamw",
+          "norm", "accumulate")
 HOLD_MS = 200           # the GPU waits this long while the host queues the timed calls
 FLOAT64 = ("scalars", "norm_sq", "norm_scratch")       # float64 whatever the precision (AdamW's, the norm's)
 
@@ -40,7 +40,7 @@ class Case:
 
 def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
     """The inputs and passes of one layer at these sizes (C, NH, V, Vp from cfg)."""
-    from .kernels import adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual
+    from .kernels import adamw, attention, classifier, encoder, flash_attention, gelu, layernorm, matmul, residual
     C, NH, V, Vp = cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     n = rng.normal
     if layer == "encoder":
@@ -131,6 +131,30 @@ def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
         case.add("backward", lambda dev, k, d: k.attention_backward(dev, d["dinp"], d["dpreatt"], d["datt"],
                                                                      d["dout"], d["inp"], d["att"], NH,
                                                                      accumulate=False, upper_is_zero=True),
+                 ("dinp",), bwd_ref, flops=8 * B * T * T * C)
+        return case
+    if layer == "flash":
+        # --attention flash: the same math as "attention" without the (B,NH,T,T) buffers; its flop count is
+        # the attention rows' (the whole T x T products), so the two layers' rows compare by time
+        case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
+                     "lse": np.zeros((B, NH, T)), "dinp": np.zeros((B, T, 3 * C))})
+
+        def fwd_ref(h):
+            out, lse = np.empty((B, T, C)), np.empty((B, NH, T))
+            flash_attention.flash_attention_forward_ref(out, lse, h["inp"], NH)
+            return {"out": out, "lse": lse}
+
+        def bwd_ref(h):
+            f = fwd_ref(h)
+            dinp = np.zeros((B, T, 3 * C))
+            flash_attention.flash_attention_backward_ref(dinp, h["dout"], h["inp"], f["out"], f["lse"], NH,
+                                                         accumulate=False)
+            return {"dinp": dinp}
+        case.add("forward", lambda dev, k, d: k.flash_attention_forward(dev, d["out"], d["lse"], d["inp"], NH),
+                 ("out", "lse"), fwd_ref, flops=4 * B * T * T * C)
+        case.add("backward", lambda dev, k, d: k.flash_attention_backward(dev, d["dinp"], d["dout"], d["inp"],
+                                                                           d["out"], d["lse"], NH,
+                                                                           accumulate=False),
                  ("dinp",), bwd_ref, flops=8 * B * T * T * C)
         return case
     if layer == "gelu":
@@ -242,7 +266,7 @@ def to_device(dev, case: Case, dtype):
     for name, a in case.arrays.items():
         if name in FLOAT64:
             d[name] = dev.asarray(a, np.float64)
-        elif bf16 and name in ("mean", "rstd", "losses", "m", "v"):
+        elif bf16 and name in ("mean", "rstd", "losses", "m", "v", "lse"):
             d[name] = dev.asarray(a, np.float32)
         elif bf16:
             d[name] = dev.asarray(f32_to_bf16(a.astype(np.float32)))
