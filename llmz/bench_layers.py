@@ -31,8 +31,9 @@ class Case:
     device and host arrays, k is llmz.kernels or llmz.fast; traffic names an array once for each time the pass
     reads or writes it whole (the bytes of GB/s)."""
 
-    def __init__(self, arrays: dict, ints: dict | None = None):
+    def __init__(self, arrays: dict, ints: dict | None = None, cublas: bool = False):
         self.arrays, self.ints, self.passes = arrays, ints or {}, []
+        self.cublas = cublas            # the fast version's products run on cuBLAS (matmul, gemm attention)
 
     def add(self, name, call, outputs, reference, traffic=(), flops=0):
         self.passes.append((name, call, outputs, reference, traffic, flops))
@@ -40,7 +41,17 @@ class Case:
 
 def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
     """The inputs and passes of one layer at these sizes (C, NH, V, Vp from cfg)."""
-    from .kernels import adamw, attention, classifier, encoder, flash_attention, gelu, layernorm, matmul, residual
+    from .kernels import (
+        adamw,
+        attention,
+        classifier,
+        encoder,
+        flash_attention,
+        gelu,
+        layernorm,
+        matmul,
+        residual,
+    )
     C, NH, V, Vp = cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
     n = rng.normal
     if layer == "encoder":
@@ -91,7 +102,7 @@ def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
         OC = 4 * C
         case = Case({"inp": n(size=(B, T, C)), "weight": n(size=(OC, C)) * 0.02, "bias": n(size=OC) * 0.02,
                      "dout": n(size=(B, T, OC)), "out": np.zeros((B, T, OC)), "dinp": np.zeros((B, T, C)),
-                     "dweight": np.zeros((OC, C)), "dbias": np.zeros(OC)})
+                     "dweight": np.zeros((OC, C)), "dbias": np.zeros(OC)}, cublas=True)
 
         def fwd_ref(h):
             out = np.empty((B, T, OC))
@@ -112,7 +123,7 @@ def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
         sq = (B, NH, T, T)
         case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
                      "preatt": np.zeros(sq), "att": np.zeros(sq), "dinp": np.zeros((B, T, 3 * C)),
-                     "dpreatt": np.zeros(sq), "datt": np.zeros(sq)})
+                     "dpreatt": np.zeros(sq), "datt": np.zeros(sq)}, cublas=True)
 
         def fwd_ref(h):
             out, pre, att = np.empty((B, T, C)), np.empty(sq), np.empty(sq)
@@ -323,7 +334,7 @@ def run_passes(version: str, dev, k, d: dict, case: Case, refs: dict, reps: int)
         finally:
             dev.launch = launch
         err = max(rel_err(to_host64(dev, d[o]), refs[name][o]) for o in outputs)
-        names = sorted(set(ran), key=ran.index) + (["cuBLAS"] if dev.matmul == "cublas" and flops else [])
+        names = sorted(set(ran), key=ran.index) + (["cuBLAS"] if dev.matmul == "cublas" and case.cublas else [])
         ms = time_ms(dev, lambda call=call: call(dev, k, d), reps)
         nbytes = sum(d[a].nbytes for a in traffic)
         rate = f"{flops / ms / 1e9:7.2f} TFLOP/s" if flops else f"{nbytes / ms / 1e6:7.1f} GB/s"
@@ -341,7 +352,9 @@ def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32
         if version == "fast" and kind == "cpu":
             rows.append((version, "-", "needs --device gpu or sim", None, None, ""))
             continue
-        dev = Device(kind, dtype, kernel_set=version, tf32=tf32)
+        # the attention layer's fast version is the gemm path wherever it runs (flash is the "flash" layer)
+        gemm = layer == "attention" and version == "fast" and kind == "gpu"
+        dev = Device(kind, dtype, kernel_set=version, tf32=tf32, attention="gemm" if gemm else "auto")
         d = to_device(dev, case, dtype)
         if refs is None:
             # the references on the values the device holds (bf16: the rounded ones; AdamW's master)

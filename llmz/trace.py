@@ -149,8 +149,8 @@ def timeline_figure(events: list[dict], title: str):
     ax.set_ylim(-0.6, 1.9)
     ax.set_yticks([0, 1], ["comm stream", "compute stream"])
     ax.set_xlabel("ms since the step began\nnames where a bar has room: RS = reduce-scatter, 6 = block 6, emb = "
-                  "embeddings, lnf = final layernorm; RS/AG/F as in the title (the .json in ui.perfetto.dev names every "
-                  "span)", fontsize=9)
+                  "embeddings, lnf = final layernorm;\nRS/AG/F as in the title (the .json in ui.perfetto.dev names "
+                  "every span)", fontsize=9)
     ax.set_title(title, fontsize=9)
     if not events:
         ax.text(0.5, 0.5, "no spans recorded: the timeline records ZeRO stages 2 and 3",
