@@ -350,6 +350,13 @@ def _check_sample(args, kind: str):
         if ids and max(ids) >= cfg.vocab_size:
             fail(f"--prompt encodes to token {max(ids)}, beyond the model's vocabulary of {cfg.vocab_size} "
                  f"(another tokenizer than the model's?)")
+    else:
+        from .tokenizer import start_id
+        first = start_id(tok)
+        if first >= cfg.vocab_size:
+            fail(f"--tokenizer {args.tokenizer}: a sample without --prompt starts from its token {first} "
+                 f"(end-of-text), beyond the model's vocabulary of {cfg.vocab_size} (another tokenizer than the "
+                 f"model's? give a --prompt, or the model's tokenizer)")
     return cfg, tok, ids
 
 

@@ -79,7 +79,8 @@ def model_config(path: str) -> GPT2Config:
 def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
     """Read an llm.c model file -> (config, parameters as float32 in llm.c's order). Padded wte rows are
     kept as read. Use `Layout(config, world_size).from_llmc(...)` (or load_model_flat) for llmz's layout.
-    The header and the size it implies are checked before a byte of the parameters is read."""
+    The header and the size it implies are checked before a byte of the parameters is read; a model with a
+    NaN or an infinity anywhere is refused (nothing can be trained or sampled from it)."""
     f, config, version = _open_model(path)
     with f:
         nparams = config.num_parameters()
@@ -87,6 +88,10 @@ def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
             params = read_array(f, "<f4", nparams, path, "model file").astype(np.float32, copy=False)
         else:
             params = bf16_to_f32(read_array(f, "<u2", nparams, path, "model file"))
+    bad = int(np.count_nonzero(~np.isfinite(params)))
+    if bad:
+        raise LlmzError(f"{path}: {bad:,} of {nparams:,} parameters are NaN or infinite (a diverged model?): "
+                        f"nothing to train or sample from")
     return config, params
 
 

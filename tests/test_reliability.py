@@ -19,7 +19,7 @@ import pytest
 import llmz.files
 from llmz.checkpoint import load_model, model_config
 from llmz.config import preset
-from llmz.data import HEADER_INTS, read_tokens, token_count, write_tokens
+from llmz.data import HEADER_BYTES, HEADER_INTS, read_tokens, token_count, write_tokens
 from llmz.errors import LlmzError, UsageError
 from llmz.launch import RankInfo
 from llmz.lock import Lock
@@ -289,6 +289,31 @@ def test_decode_only_and_smaller_tokenizer_files_train_and_sample_without_a_prom
     assert main(["--init-from", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "dec.bin"), "--prompt",
                  "hi", "--device", "cpu"]) == 2
     assert "can only decode" in capsys.readouterr().err
+
+
+def test_a_model_with_a_nan_or_inf_anywhere_and_a_start_token_beyond_the_model_are_refused_in_one_line(
+        tmp_path, capsys, rng):
+    train_here("--steps", 1, "--save", tmp_path / "m.bin")
+    raw = (tmp_path / "m.bin").read_bytes()
+    n = (len(raw) - HEADER_BYTES) // 4                          # a float32 model: one value at a random place
+    from llmz.sample import main
+    for bad in (np.nan, np.inf):
+        i = HEADER_BYTES + 4 * int(rng.integers(n))
+        (tmp_path / "bad.bin").write_bytes(raw[:i] + np.float32(bad).tobytes() + raw[i + 4:])
+        with pytest.raises(LlmzError) as e:
+            load_model(str(tmp_path / "bad.bin"))
+        assert f"1 of {n:,} parameters are NaN or infinite" in one_line(e)
+        capsys.readouterr()
+        assert main(["--init-from", str(tmp_path / "bad.bin"), "--tokens", "3", "--device", "cpu"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and "NaN or infinite" in err[0], err
+    # a sample without a prompt starts from the tokenizer's end-of-text: beyond the model's 256 tokens here
+    table = [bytes([i]) for i in range(256)] + [b"<%d>" % i for i in range(256, 300)]
+    write_tokenizer(str(tmp_path / "big.bin"), table, 299)
+    assert main(["--init-from", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "big.bin"), "--tokens", "3",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "token 299" in err[0] and "vocabulary of 256" in err[0], err
 
 
 # ---- the log ----------------------------------------------------------------------------------------------------

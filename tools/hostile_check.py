@@ -1,0 +1,680 @@
+"""Re-measure issue 19: bad inputs and faults against llmz.train, llmz.sample and checkpoint folders.
+
+    python tools/hostile_check.py [-k SUBSTRING] [--timeout S]
+
+The promise under test (README, llmz/args.py): every bad input gives ONE clear `error: ...` line on stderr
+naming the problem and a non-zero exit (2 for usage errors), before any training work; no traceback, no
+hang, nothing half-written under a final name, nothing non-finite ever saved. A run that diverges stops
+with one error line naming the step.
+
+Each case is a command line (run in a fresh folder under a temporary directory, nothing is written into the
+repository), an optional setup that makes the files it needs, and an expectation:
+
+    refuse   refused at start: exit != 0, one `error:` line, no training output before it
+    fail     refused at start, or stopped later with one `error:` line that names the step
+    runs     exit 0
+    either   refused at start, or exit 0 (both are documented behaviours)
+
+plus post-checks (a file that must or must not exist, the log's end record). Always checked: no `*.tmp`
+file is left behind, `final.bin` (every train case passes `--save final.bin --log log.jsonl`) is absent
+after a failure, and every model or training-state file the run left is finite (read with llmz's readers).
+
+Each outcome is one of:
+
+    OK          as promised (one error line, or a clean run)
+    TRACEBACK   a Python traceback in the output
+    HANG        no exit within the timeout (a FIFO read that blocks, ...)
+    LATE        refused, but only after training started (banner or step lines before the error)
+    MULTILINE   more than one line on stderr, or one that is not `error: ...` (warnings, noise)
+    WRONG       accepted when it should be refused (or the reverse), or a post-check failed
+
+Prints one line per case (and the command and the first lines of output of each case not OK), then the
+tally; exits 1 if any case is not OK.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from llmz.checkpoint import load_model
+from llmz.config import GPT2Config, preset
+from llmz.errors import LlmzError
+from llmz.lock import _start_tick
+from llmz.state import read_state, write_state
+from llmz.tokenizer import write_tokenizer
+
+HEADER_BYTES = 1024
+MODEL_MAGIC, TOKENS_MAGIC, TOKENIZER_MAGIC = 20240326, 20240520, 20240328
+SHIPPED_VAL = REPO / "data" / "shakespeare_val.bin"
+SHIPPED_BYTE_TOKENIZER = REPO / "data" / "byte_tokenizer.bin"
+
+# training output that means the run has started working (LATE if a refusal comes after it)
+STARTED = re.compile(r"^(llmz: |model: |batch: |step\s+\d+)")
+
+# The command lines. "{d}" is the case's own folder, "{fx}" the shared fixtures, "{python}" this Python.
+TINY = ["--batch-size", "2", "--seq-len", "16", "--val-batches", "1", "--sample-tokens", "0", "--device", "cpu",
+        "--save", "{d}/final.bin", "--log", "{d}/log.jsonl"]
+
+
+def train(*flags: str) -> list[str]:
+    """llmz.train on a fresh tiny model, 2 steps; the case's flags come last (argparse: the last one wins)."""
+    return ["{python}", "-m", "llmz.train", "--model", "tiny", "--steps", "2", *TINY, *flags]
+
+
+def train_from(*flags: str) -> list[str]:
+    """llmz.train without --model (for --init-from and --resume), 4 steps."""
+    return ["{python}", "-m", "llmz.train", "--steps", "4", *TINY, *flags]
+
+
+def diverge(*flags: str) -> list[str]:
+    """llmz.train for runs that should diverge: 6 steps, no warmup, a checkpoint every step."""
+    return train("--steps", "6", "--warmup-steps", "0", "--checkpoint-dir", "{d}/ck", "--checkpoint-every", "1",
+                 *flags)
+
+
+def sample(*flags: str) -> list[str]:
+    return ["{python}", "-m", "llmz.sample", "--device", "cpu", "--tokens", "5", *flags]
+
+
+def sample_model(*flags: str) -> list[str]:
+    return sample("--init-from", "{fx}/model.bin", *flags)
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+# ---- writing files, good and bad -------------------------------------------------------------------------
+def header(*values: int, dtype: str = "<i4") -> bytes:
+    h = np.zeros(256, dtype=dtype)
+    h[:len(values)] = values
+    return h.tobytes()
+
+
+def model_header(maxT=64, V=256, L=2, NH=2, C=16, Vp=None, version=3) -> bytes:
+    return header(MODEL_MAGIC, version, maxT, V, L, NH, C, Vp if Vp is not None else V)
+
+
+def write_model(path: Path, fill: float = 0.0, **shape) -> None:
+    """A well-formed fp32 model file of `shape` whose every parameter is `fill`."""
+    cfg = GPT2Config(max_seq_len=shape.get("maxT", 64), vocab_size=shape.get("V", 256),
+                     padded_vocab_size=shape.get("Vp", shape.get("V", 256)), num_layers=shape.get("L", 2),
+                     num_heads=shape.get("NH", 2), channels=shape.get("C", 16))
+    body = np.full(cfg.num_parameters(), fill, dtype="<f4")
+    path.write_bytes(model_header(**shape) + body.tobytes())
+
+
+def sparse(path: Path, size: int, head: bytes = b"") -> None:
+    """A sparse file of `size` bytes (truncate -s), starting with `head`."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+
+
+def tokens_file(path: Path, tokens, count: int | None = None, magic: int = TOKENS_MAGIC, version: int = 1) -> None:
+    tokens = np.asarray(tokens, dtype="<u2")
+    path.write_bytes(header(magic, version, len(tokens) if count is None else count) + tokens.tobytes())
+
+
+def cut(path: Path, nbytes: int) -> None:
+    """Drop the last nbytes of a file."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - nbytes])
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def make_fixtures(fx: Path, timeout: float) -> None:
+    """Shared inputs: a real tiny model and checkpoint (from one llmz run), good and bad files, FIFOs."""
+    cmd = [sys.executable, "-m", "llmz.train", "--model", "tiny", "--max-seq-len", "64", "--steps", "2",
+           "--batch-size", "2", "--seq-len", "16", "--val-batches", "1", "--sample-tokens", "0", "--device", "cpu",
+           "--save", str(fx / "model.bin"), "--checkpoint-dir", str(fx / "ck")]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=fx, env=child_env(),
+                       timeout=max(timeout, 120))
+    if r.returncode != 0 or not (fx / "ck" / "step_000002" / "DONE").exists():
+        sys.exit(f"cannot make the fixtures: {shlex.join(cmd)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+    model = (fx / "model.bin").read_bytes()
+    # model files
+    (fx / "model_empty.bin").write_bytes(b"")
+    (fx / "model_10bytes.bin").write_bytes(model[:10])
+    (fx / "model_header_only.bin").write_bytes(model[:HEADER_BYTES])
+    (fx / "model_truncated.bin").write_bytes(model[:len(model) // 2])
+    (fx / "model_version7.bin").write_bytes(model_header(version=7) + model[HEADER_BYTES:])
+    (fx / "model_nh0.bin").write_bytes(model_header(NH=0) + model[HEADER_BYTES:])
+    (fx / "model_negative_v.bin").write_bytes(model_header(V=-5, Vp=256) + model[HEADER_BYTES:])
+    (fx / "model_huge_layers.bin").write_bytes(model_header(L=2**31 - 1) + model[HEADER_BYTES:])
+    nan_body = np.full((len(model) - HEADER_BYTES) // 4, np.nan, dtype="<f4")
+    (fx / "model_nan.bin").write_bytes(model[:HEADER_BYTES] + nan_body.tobytes())
+    one_inf = np.frombuffer(model[HEADER_BYTES:], dtype="<f4").copy()
+    one_inf[100] = np.inf
+    (fx / "model_one_inf.bin").write_bytes(model[:HEADER_BYTES] + one_inf.tobytes())
+    write_model(fx / "model_v300.bin", V=300, Vp=384)
+    (fx / "model_bf16_zeros.bin").write_bytes(model_header(version=5) + bytes((len(model) - HEADER_BYTES) // 2))
+    d48 = preset("d48", vocab_size=50257, max_seq_len=1024)
+    sparse(fx / "model_d48_sparse.bin", HEADER_BYTES + 4 * d48.num_parameters(),
+           model_header(maxT=1024, V=50257, L=48, NH=25, C=1600, Vp=d48.padded_vocab_size))
+    l96 = GPT2Config(max_seq_len=1024, vocab_size=50257, padded_vocab_size=50304, num_layers=96, num_heads=25,
+                     channels=1600)
+    sparse(fx / "model_l96_sparse.bin", HEADER_BYTES + 4 * l96.num_parameters(),
+           model_header(maxT=1024, V=50257, L=96, NH=25, C=1600, Vp=50304))
+    # token files
+    val = SHIPPED_VAL.read_bytes()
+    tokens_file(fx / "tok_empty.bin", [])
+    tokens_file(fx / "tok_10.bin", np.arange(10) + 65)
+    (fx / "tok_odd_size.bin").write_bytes(val + b"\0")
+    (fx / "tok_truncated.bin").write_bytes(val[:len(val) // 2])
+    tokens_file(fx / "tok_bad_magic.bin", np.arange(1000) % 200, magic=12345)
+    tokens_file(fx / "tok_count_2g.bin", np.arange(1000) % 200, count=2**31 - 1)
+    tokens_file(fx / "tok_ids_300.bin", np.full(1000, 300))
+    # tokenizer files
+    write_tokenizer(str(fx / "tk100.bin"), [bytes([i]) for i in range(100)], None)
+    write_tokenizer(str(fx / "tk300_eot299.bin"),
+                    [bytes([i]) for i in range(256)] + [b"ab" + bytes([65 + i]) for i in range(44)], 299)
+    tk = (fx / "tk300_eot299.bin").read_bytes()
+    (fx / "tk_truncated.bin").write_bytes(tk[:1500])
+    (fx / "tk_zero_length_token.bin").write_bytes(header(TOKENIZER_MAGIC, 2, 2, 1, dtype="<u4") + b"\x00a\x01b")
+    (fx / "tk_eot_outside.bin").write_bytes(header(TOKENIZER_MAGIC, 2, 300, 500, dtype="<u4") + tk[HEADER_BYTES:])
+    # the special files
+    sparse(fx / "sparse_100g.bin", 100 * 2**30)
+    os.mkfifo(fx / "fifo")
+    (fx / "a_folder").mkdir()
+
+
+# ---- setups: files a case makes in its own folder {d} --------------------------------------------------
+def copy_checkpoint(d: Path) -> Path:
+    """A copy of the fixture checkpoint folder at d/ck; returns d/ck/step_000002."""
+    shutil.copytree(d.parent / "fixtures" / "ck", d / "ck")
+    return d / "ck" / "step_000002"
+
+
+def ck_without(name: str):
+    def setup(d: Path) -> None:
+        (copy_checkpoint(d) / name).unlink()
+    return setup
+
+
+def ck_replace_with_fifo(name: str):
+    def setup(d: Path) -> None:
+        step = copy_checkpoint(d)
+        (step / name).unlink()
+        os.mkfifo(step / name)
+    return setup
+
+
+def ck_replace_with_folder(name: str):
+    def setup(d: Path) -> None:
+        step = copy_checkpoint(d)
+        (step / name).unlink()
+        (step / name).mkdir()
+    return setup
+
+
+def ck_cut(name: str, nbytes: int):
+    def setup(d: Path) -> None:
+        cut(copy_checkpoint(d) / name, nbytes)
+    return setup
+
+
+def ck_flip(name: str, offset: int):
+    def setup(d: Path) -> None:
+        path = copy_checkpoint(d) / name
+        flip_byte(path, offset if offset >= 0 else path.stat().st_size + offset)
+    return setup
+
+
+def ck_done_garbage(d: Path) -> None:
+    (copy_checkpoint(d) / "DONE").write_text("garbage {{{\n")
+
+
+def ck_other_model(d: Path) -> None:
+    shutil.copy(d.parent / "fixtures" / "model_v300.bin", copy_checkpoint(d) / "model.bin")
+
+
+def ck_nan(d: Path) -> None:
+    """A checkpoint that is well-formed (checksums right, model.bin agrees with the state) but NaN throughout."""
+    step = copy_checkpoint(d)
+    st = read_state(str(step / "state_rank0.bin"))
+    meta = {k: v for k, v in st.meta.items() if k != "arrays"}
+    arrays = dict(st.arrays)
+    arrays["params"] = np.full_like(arrays["params"], np.nan)
+    write_state(str(step / "state_rank0.bin"), meta, arrays)
+    shutil.copy(d.parent / "fixtures" / "model_nan.bin", step / "model.bin")
+
+
+def lock_file(path: Path, pid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": time.time(),
+                                "tick": _start_tick(pid)}) + "\n")
+
+
+def live_lock(rel: str):
+    """A lock held by a process that lives (this checker)."""
+    def setup(d: Path) -> None:
+        lock_file(d / rel, os.getpid())
+    return setup
+
+
+def stale_lock(rel: str):
+    """A lock left by a process that no longer runs."""
+    def setup(d: Path) -> None:
+        pid = 4_000_000
+        while True:
+            try:
+                os.kill(pid, 0)
+                pid += 1
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pid += 1
+        lock_file(d / rel, pid)
+    return setup
+
+
+def make_fifo(rel: str):
+    def setup(d: Path) -> None:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(d / rel)
+    return setup
+
+
+def make_folder(rel: str):
+    def setup(d: Path) -> None:
+        (d / rel).mkdir(parents=True)
+    return setup
+
+
+# ---- post-checks: each returns a problem (a string) or None ---------------------------------------------
+def exists(rel: str):
+    def check(d: Path) -> str | None:
+        return None if (d / rel).is_file() else f"{rel} was not written"
+    return check
+
+
+def absent(rel: str):
+    def check(d: Path) -> str | None:
+        return f"{rel} was written" if (d / rel).exists() else None
+    return check
+
+
+def log_ended(rel: str = "log.jsonl"):
+    def check(d: Path) -> str | None:
+        try:
+            records = [json.loads(line) for line in (d / rel).read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            return f"{rel} unreadable ({e})"
+        return None if any(r.get("event") == "end" for r in records) else f"{rel} has no end record"
+    return check
+
+
+def no_tmp_files(d: Path) -> str | None:
+    left = [str(p.relative_to(d)) for p in d.rglob("*.tmp")]
+    return f"temporary files left: {', '.join(left)}" if left else None
+
+
+def all_saved_finite(d: Path, planted: tuple[str, ...] = ()) -> str | None:
+    """Every llm.c model file and training-state file under d (but the planted ones) holds finite values."""
+    bad = []
+    for p in sorted(d.rglob("*.bin")):
+        rel = str(p.relative_to(d))
+        if rel in planted or not p.is_file():
+            continue
+        try:
+            arrays = list(read_state(str(p)).arrays.values()) if p.name.startswith("state_rank") else \
+                [load_model(str(p))[1]]
+        except LlmzError:
+            continue                # not a file llmz wrote (a corrupt input the case planted)
+        if not all(np.isfinite(a).all() for a in arrays):
+            bad.append(rel)
+    return f"non-finite values saved in {', '.join(bad)}" if bad else None
+
+
+# ---- the cases -----------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    argv: list[str]
+    expect: str                                   # refuse | fail | runs | either
+    setup: object = None                          # setup(d) before the run
+    checks: list = field(default_factory=list)    # after any outcome
+    run_checks: list = field(default_factory=list)  # only after exit 0
+    timeout: float | None = None                  # None: --timeout
+    planted: tuple[str, ...] = ()                 # non-finite files the setup planted on purpose
+
+
+def cases() -> list[Case]:
+    fx = "{fx}"
+    c = []
+
+    def add(name, argv, expect, **kw):
+        c.append(Case(name, argv, expect, **kw))
+
+    # sanity: the baselines must run
+    add("baseline: tiny train run", train(), "runs", run_checks=[exists("final.bin"), log_ended()])
+    add("baseline: sample", sample_model(), "runs")
+    add("baseline: resume a good checkpoint", train_from("--resume", "{d}/ck/step_000002"), "runs",
+        setup=lambda d: copy_checkpoint(d), run_checks=[exists("final.bin")])
+
+    # numbers that can never be right: refused at start
+    for flag, value in [("--lr", "nan"), ("--lr", "inf"), ("--lr", "1e300"), ("--lr", "-1"), ("--weight-decay", "nan"),
+                        ("--eps", "nan"), ("--eps", "0"), ("--eps", "-1"), ("--eps", "1e-45"), ("--beta1", "1"),
+                        ("--grad-clip", "nan"), ("--final-lr-frac", "-1"), ("--max-loss", "0"),
+                        ("--warmup-steps", "-5"), ("--val-every", "-1"), ("--seed", "-1"), ("--steps", "-3"),
+                        ("--val-batches", "0"), ("--val-batches", "-1"), ("--max-seq-len", "0"),
+                        ("--vocab-size", "0"), ("--model", "")]:
+        add(f"train {flag} {value!r}", train(flag, value), "refuse")
+    add("train --trace at ZeRO stage 0", train("--trace", "{d}/t.json"), "refuse")
+    add("train --device gpu without a GPU", train("--device", "gpu"), "refuse")
+    add("train --batch-size larger than the data", train("--batch-size", "100000", "--val-data", ""), "refuse")
+    add("train --model d48 (does not fit in memory)", train("--model", "d48"), "refuse")
+
+    # runaway numbers that pass the start checks: refused, or stopped naming the step; never saved non-finite
+    gone = [absent("final.bin")]
+    add("train --lr 1e6 (diverges)", diverge("--lr", "1e6"), "fail", checks=gone)
+    add("train --lr 1e30 (diverges)", diverge("--lr", "1e30"), "fail", checks=gone)
+    add("train --lr 3e38 (just below fp32 max)", diverge("--lr", "3e38"), "fail", checks=gone)
+    add("train --lr 1e30 --max-loss 1e300", diverge("--lr", "1e30", "--max-loss", "1e300"), "fail", checks=gone)
+    add("train --lr 1e6 --max-loss 1e30 (huge but maybe finite)", diverge("--lr", "1e6", "--max-loss", "1e30"),
+        "either")
+    add("train --weight-decay 1e30", diverge("--weight-decay", "1e30"), "fail", checks=gone)
+    add("train --max-loss 1e-9 (stops at step 0)", diverge("--max-loss", "1e-9"), "fail", checks=gone)
+    add("train --precision fp64 --lr 1e300", diverge("--precision", "fp64", "--lr", "1e300"), "fail", checks=gone)
+    add("train --precision bf16 --lr 1e30", diverge("--precision", "bf16", "--lr", "1e30"), "fail", checks=gone)
+    add("train --init-from a NaN model", train_from("--init-from", f"{fx}/model_nan.bin"), "fail", checks=gone)
+    add("train --init-from a model with one inf", train_from("--init-from", f"{fx}/model_one_inf.bin"), "fail",
+        checks=gone)
+    add("train --resume a checkpoint holding NaN parameters",
+        train_from("--resume", "{d}/ck/step_000002", "--checkpoint-dir", "{d}/ck", "--checkpoint-every", "1"),
+        "fail", setup=ck_nan, checks=gone,
+        planted=("ck/step_000002/state_rank0.bin", "ck/step_000002/model.bin"))
+
+    # vocabulary: tokenizer against model; refused at start, or a run whose model and log survive
+    survive = [exists("final.bin"), log_ended()]
+    add("train --vocab-size 50257 with the byte tokenizer (end sample)",
+        train("--vocab-size", "50257", "--sample-tokens", "20"), "either", run_checks=survive)
+    add("train --vocab-size 300 with the byte tokenizer (end sample)",
+        train("--vocab-size", "300", "--sample-tokens", "20"), "either", run_checks=survive)
+    add("train --vocab-size 100 < the byte tokenizer's 256", train("--vocab-size", "100"), "refuse")
+    add("train --tokenizer of 100 tokens (data has larger ids)", train("--tokenizer", f"{fx}/tk100.bin"), "refuse")
+    add("train --tokenizer of 300 tokens, eot 299 (end sample)",
+        train("--tokenizer", f"{fx}/tk300_eot299.bin", "--sample-tokens", "20"), "either", run_checks=survive)
+    add("train --tokenizer of 300 tokens --vocab-size 256",
+        train("--tokenizer", f"{fx}/tk300_eot299.bin", "--vocab-size", "256"), "refuse")
+    add("train --init-from V=256 model --tokenizer of 300 tokens",
+        train_from("--init-from", f"{fx}/model.bin", "--tokenizer", f"{fx}/tk300_eot299.bin"), "refuse")
+    add("train --init-from V=256 model --tokenizer of 100 tokens (end sample)",
+        train_from("--init-from", f"{fx}/model.bin", "--tokenizer", f"{fx}/tk100.bin", "--sample-tokens", "20"),
+        "either", run_checks=survive)
+    add("train --tokenizer gpt2 (tiktoken may be missing)", train("--tokenizer", "gpt2"), "either",
+        run_checks=survive)
+    add("train --train-data with token ids >= V", train("--train-data", f"{fx}/tok_ids_300.bin"), "refuse")
+
+    # special files as inputs: a FIFO, /dev/zero, a 100 GB sparse file, a folder
+    for what, path in [("a FIFO", f"{fx}/fifo"), ("/dev/zero", "/dev/zero"),
+                       ("a 100G sparse file", f"{fx}/sparse_100g.bin"), ("a folder", f"{fx}/a_folder")]:
+        add(f"train --init-from {what}", train_from("--init-from", path), "refuse")
+        add(f"train --train-data {what}", train("--train-data", path), "refuse")
+        if what in ("a FIFO", "a 100G sparse file"):
+            add(f"train --val-data {what}", train("--val-data", path), "refuse")
+        if what != "a folder":
+            add(f"train --tokenizer {what}", train("--tokenizer", path), "refuse")
+        add(f"sample --init-from {what}", sample("--init-from", path), "refuse")
+        if what != "a folder":
+            add(f"sample --tokenizer {what}", sample_model("--tokenizer", path), "refuse")
+    add("train --init-from a sparse file with a d48 header", train_from("--init-from", f"{fx}/model_d48_sparse.bin"),
+        "refuse")
+    add("sample --init-from a sparse file with an L=96 C=1600 header (too big for memory)",
+        sample("--init-from", f"{fx}/model_l96_sparse.bin"), "refuse")
+
+    # outputs
+    add("train --log a folder", train("--log", "{d}/out"), "refuse", setup=make_folder("out"))
+    add("train --save a folder", train("--save", "{d}/out"), "refuse", setup=make_folder("out"))
+    add("train --save a FIFO", train("--save", "{d}/out.bin"), "refuse", setup=make_fifo("out.bin"))
+    add("train --log a FIFO", train("--log", "{d}/out.jsonl"), "refuse", setup=make_fifo("out.jsonl"))
+    add("train --save /dev/null", train("--save", "/dev/null"), "refuse")
+    add("train --checkpoint-dir a file", train("--checkpoint-dir", f"{fx}/model.bin"), "refuse")
+    add("train --log and --save the same file", train("--log", "{d}/same", "--save", "{d}/same"), "refuse",
+        checks=[absent("same")])
+    add("train --log runs/new/a.jsonl (parents created)", train("--log", "{d}/runs/new/a.jsonl"), "runs",
+        run_checks=[log_ended("runs/new/a.jsonl")])
+    add("train --save new/sub/m.bin (parents created)", train("--save", "{d}/new/sub/m.bin"), "runs",
+        run_checks=[exists("new/sub/m.bin")])
+    add("train --log locked by a live run", train(), "refuse", setup=live_lock("log.jsonl.lock"))
+    add("train --log with a stale lock", train(), "runs", setup=stale_lock("log.jsonl.lock"),
+        run_checks=[log_ended()])
+
+    # validation and training data
+    add("train --val-data empty token file", train("--val-data", f"{fx}/tok_empty.bin"), "refuse")
+    add("train --val-data 10 tokens", train("--val-data", f"{fx}/tok_10.bin"), "refuse")
+    add("train --val-data '' (no validation)", train("--val-data", ""), "runs", run_checks=survive)
+    add("train --val-batches 100000 (more than the val data)", train("--val-batches", "100000"), "either",
+        run_checks=survive)
+    for name in ["tok_empty", "tok_odd_size", "tok_truncated", "tok_bad_magic", "tok_count_2g"]:
+        add(f"train --train-data {name}", train("--train-data", f"{fx}/{name}.bin"), "refuse")
+    add("train --train-data a model file", train("--train-data", f"{fx}/model.bin"), "refuse")
+    add("train --train-data a glob matching nothing", train("--train-data", "{d}/nothing*.bin"), "refuse")
+
+    # model files: --init-from and llmz.sample
+    for name in ["model_empty", "model_header_only", "model_truncated", "model_version7", "model_nh0",
+                 "model_huge_layers"]:
+        add(f"train --init-from {name}", train_from("--init-from", f"{fx}/{name}.bin"), "refuse")
+    for name in ["model_10bytes", "model_truncated", "model_negative_v"]:
+        add(f"sample --init-from {name}", sample("--init-from", f"{fx}/{name}.bin"), "refuse")
+    add("train --init-from a token file", train_from("--init-from", str(SHIPPED_VAL)), "refuse")
+    add("train --init-from X --model small (conflict)",
+        train_from("--init-from", f"{fx}/model.bin", "--model", "small"), "refuse")
+    add("train --init-from X --vocab-size 300 (conflict)",
+        train_from("--init-from", f"{fx}/model.bin", "--vocab-size", "300"), "refuse")
+    add("train --init-from X (maxT 64) --seq-len 128", train_from("--init-from", f"{fx}/model.bin", "-t", "128"),
+        "refuse")
+    add("train --init-from X --model tiny (agrees)", train_from("--init-from", f"{fx}/model.bin", "--model", "tiny"),
+        "runs", run_checks=survive)
+    add("train --init-from a bf16 model of zeros", train_from("--init-from", f"{fx}/model_bf16_zeros.bin"), "either",
+        run_checks=survive)
+
+    # tokenizer files
+    for name in ["tk_truncated", "tk_zero_length_token", "tk_eot_outside"]:
+        add(f"train --tokenizer {name}", train("--tokenizer", f"{fx}/{name}.bin"), "refuse")
+    add("sample --tokenizer tk_truncated", sample_model("--tokenizer", f"{fx}/tk_truncated.bin"), "refuse")
+
+    # llmz.sample
+    for flag, value in [("--tokens", "-1"), ("--temperature", "-1"), ("--temperature", "nan"), ("--seq-len", "100"),
+                        ("--seed", "-1")]:
+        add(f"sample {flag} {value!r}", sample_model(flag, value), "refuse")
+    add("sample without --init-from", sample(), "refuse")
+    add("sample --temperature 0", sample_model("--temperature", "0"), "runs")
+    add("sample --temperature 1e300", sample_model("--temperature", "1e300"), "either")
+    add("sample a NaN model", sample("--init-from", f"{fx}/model_nan.bin"), "fail")
+    add("sample a model with one inf", sample("--init-from", f"{fx}/model_one_inf.bin"), "fail")
+    add("sample a V=300 model of zeros with the byte tokenizer", sample("--init-from", f"{fx}/model_v300.bin"), "runs")
+    add("sample --tokenizer llm.c file, 300 tokens, eot 299, no prompt (V=256 model)",
+        sample_model("--tokenizer", f"{fx}/tk300_eot299.bin"), "either")
+    add("sample --tokenizer llm.c file, 100 tokens, no prompt", sample_model("--tokenizer", f"{fx}/tk100.bin"),
+        "runs")
+    add("sample --tokenizer llm.c file, 100 tokens --prompt",
+        sample_model("--tokenizer", f"{fx}/tk100.bin", "--prompt", "hi"), "refuse")
+    add("sample --tokenizer shipped byte tokenizer file --prompt",
+        sample_model("--tokenizer", str(SHIPPED_BYTE_TOKENIZER), "--prompt", "ROMEO:"), "runs")
+
+    # checkpoint folders
+    resume = ("--resume", "{d}/ck/step_000002")
+    add("train --resume a non-existent folder", train_from("--resume", "{d}/nowhere/step_000002"), "refuse")
+    add("train --resume latest without --checkpoint-dir", train_from("--resume", "latest"), "refuse")
+    add("train --resume latest, empty --checkpoint-dir (starts afresh)",
+        train("--resume", "latest", "--checkpoint-dir", "{d}/ck"), "runs", run_checks=survive)
+    add("train --resume latest, good --checkpoint-dir", train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck"),
+        "runs", setup=lambda d: copy_checkpoint(d), run_checks=survive)
+    add("train --resume the checkpoint root, not a step folder", train_from("--resume", "{d}/ck"), "refuse",
+        setup=lambda d: copy_checkpoint(d))
+    add("checkpoint without DONE", train_from(*resume), "refuse", setup=ck_without("DONE"))
+    add("checkpoint without model.bin", train_from(*resume), "refuse", setup=ck_without("model.bin"))
+    add("checkpoint without state_rank0.bin", train_from(*resume), "refuse", setup=ck_without("state_rank0.bin"))
+    add("checkpoint model.bin truncated", train_from(*resume), "refuse", setup=ck_cut("model.bin", 100))
+    add("checkpoint state truncated", train_from(*resume), "refuse", setup=ck_cut("state_rank0.bin", 100))
+    add("checkpoint state with a flipped array byte", train_from(*resume), "refuse",
+        setup=ck_flip("state_rank0.bin", -5))
+    add("checkpoint model.bin is a FIFO", train_from(*resume), "refuse", setup=ck_replace_with_fifo("model.bin"))
+    add("checkpoint state_rank0.bin is a FIFO", train_from(*resume), "refuse",
+        setup=ck_replace_with_fifo("state_rank0.bin"))
+    add("checkpoint model.bin of another model (V=300)", train_from(*resume), "refuse", setup=ck_other_model)
+    add("checkpoint DONE holds garbage", train_from(*resume), "either", setup=ck_done_garbage, run_checks=survive)
+    add("train --resume X --init-from Y (conflict)", train_from(*resume, "--init-from", f"{fx}/model.bin"), "refuse",
+        setup=lambda d: copy_checkpoint(d))
+    add("train --resume X --model small (conflict)", train_from(*resume, "--model", "small"), "refuse",
+        setup=lambda d: copy_checkpoint(d))
+    add("train --resume X with another batch size", train_from(*resume, "--batch-size", "4"), "either",
+        setup=lambda d: copy_checkpoint(d), run_checks=survive)
+    add("train afresh into a --checkpoint-dir holding later checkpoints", train("--checkpoint-dir", "{d}/ck"),
+        "refuse", setup=lambda d: copy_checkpoint(d))
+    add("train --checkpoint-dir locked by a live run", train("--checkpoint-dir", "{d}/ck"), "refuse",
+        setup=live_lock("ck/llmz.lock"))
+    add("train --checkpoint-dir with a stale lock", train("--checkpoint-dir", "{d}/ck"), "runs",
+        setup=stale_lock("ck/llmz.lock"), run_checks=survive)
+
+    # two ranks: a bad flag must end the whole job at once
+    mpi = [mpiexec(), "-n", "2"]
+    add("mpiexec -n 2 train --steps -3", [*mpi, "{python}", "-m", "llmz.train", "--steps", "-3"], "refuse",
+        timeout=20)
+    add("mpiexec -n 2 train --init-from a FIFO", [*mpi, *train_from("--init-from", f"{fx}/fifo")], "refuse",
+        timeout=20)
+    return c
+
+
+# ---- running and judging one case ------------------------------------------------------------------------
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("LLMZ_DEBUG", None)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str, str, float]:
+    """-> (exit status or None on timeout, stdout, stderr, seconds). On a timeout the whole process group
+    (mpiexec and its ranks too) is killed."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        rc = None
+    return rc, out, err, time.monotonic() - t0
+
+
+def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str]) -> tuple[str, str]:
+    """-> (class, what happened in a few words)."""
+    if rc is None:
+        return "HANG", "no exit within the timeout"
+    if "Traceback (most recent call last)" in out + err:
+        last = [line for line in (out + err).splitlines() if line.strip()]
+        return "TRACEBACK", last[-1] if last else ""
+    err_lines = [line for line in err.splitlines() if line.strip()]
+    started = any(STARTED.match(line) for line in out.splitlines())
+    if rc == 0:
+        noise = [line for line in err_lines if not line.startswith("note:")]
+        if case.expect in ("refuse", "fail"):
+            return "WRONG", "accepted (exit 0), should be refused"
+        if noise:
+            return "MULTILINE", f"exit 0 but stderr says: {noise[0]}"
+        if problems:
+            return "WRONG", "; ".join(problems)
+        return "OK", "ran"
+    # a failure
+    if case.expect == "runs":
+        return "WRONG", f"refused (exit {rc}), should run: {err_lines[-1] if err_lines else '(no message)'}"
+    if not err_lines:
+        return "MULTILINE", f"exit {rc} with no error line"
+    line = err_lines[-1]
+    if not line.startswith("error:"):
+        return "MULTILINE", f"last stderr line is not 'error: ...': {line}"
+    if len(err_lines) > 1:
+        return "MULTILINE", f"{len(err_lines)} lines on stderr, first: {err_lines[0]}"
+    if started and case.expect in ("refuse", "either"):
+        return "LATE", f"refused after training output: {line}"
+    if started and not re.search(r"\bstep \d+", line):
+        return "WRONG", f"stopped without naming the step: {line}"
+    if problems:
+        return "WRONG", "; ".join(problems)
+    return "OK", line
+
+
+def run_case(case: Case, root: Path, n: int, timeout: float) -> tuple[str, str, str, float, int | None, str]:
+    d = root / f"case{n:03d}"
+    d.mkdir()
+    if case.setup:
+        case.setup(d)
+    cmd = [a.replace("{python}", sys.executable).replace("{fx}", str(root / "fixtures")).replace("{d}", str(d))
+           for a in case.argv]
+    rc, out, err, secs = run(cmd, d, case.timeout or timeout)
+    problems = [p for check in case.checks + [no_tmp_files] for p in [check(d)] if p]
+    problems += [p for p in [all_saved_finite(d, case.planted)] if p]
+    if rc == 0:
+        problems += [p for check in case.run_checks for p in [check(d)] if p]
+    elif rc is not None:
+        problems += [p for p in [absent("final.bin")(d)] if p]
+    cls, what = judge(case, rc, out, err, problems)
+    shown = " ".join(shlex.quote(a) for a in cmd).replace(str(root), "$TMP").replace(sys.executable, "python")
+    text = (err + ("\n" if err and out else "") + out).strip()
+    return cls, what, shown, secs, rc, text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-k", default="", metavar="SUBSTRING", help="run only the cases whose name contains this")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds before a case is a HANG")
+    args = p.parse_args(argv)
+    chosen = [c for c in cases() if args.k.lower() in c.name.lower()]
+    if not chosen:
+        print(f"no case matches {args.k!r}")
+        return 1
+    classes = ["OK", "TRACEBACK", "HANG", "LATE", "MULTILINE", "WRONG"]
+    tally = dict.fromkeys(classes, 0)
+    exit_not_2 = []             # refused as promised, but with exit status 1 where usage errors promise 2
+    with tempfile.TemporaryDirectory(prefix="hostile_check.") as tmp:
+        root = Path(tmp)
+        (root / "fixtures").mkdir()
+        make_fixtures(root / "fixtures", args.timeout)
+        for n, case in enumerate(chosen):
+            cls, what, shown, secs, rc, text = run_case(case, root, n, args.timeout)
+            tally[cls] += 1
+            if cls == "OK" and case.expect == "refuse" and rc != 2:
+                exit_not_2.append(case.name)
+            print(f"{cls:9s} {case.name}  [expect {case.expect}, exit {rc}, {secs:.1f}s]: {what}"[:300], flush=True)
+            if cls != "OK":
+                print(f"    $ {shown}")
+                for line in text.splitlines()[:6]:
+                    print(f"    | {line[:200]}")
+    bad = len(chosen) - tally["OK"]
+    print(f"\n{len(chosen)} cases: {tally['OK']} one-line as promised (or ran clean), "
+          + ", ".join(f"{tally[k]} {k}" for k in classes[1:]))
+    if exit_not_2:
+        print(f"note: {len(exit_not_2)} of the OK refusals exit 1, not 2: {'; '.join(exit_not_2)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
