@@ -316,6 +316,15 @@ def test_a_model_with_a_nan_or_inf_anywhere_and_a_start_token_beyond_the_model_a
     assert len(err) == 1 and "token 299" in err[0] and "vocabulary of 256" in err[0], err
 
 
+def test_a_file_found_wrong_while_setting_up_is_refused_with_status_2_in_one_line(tmp_path):
+    # token ids beyond the model's 256: found when the data is read, before any step (as a bad flag: status 2)
+    write_tokens(str(tmp_path / "t.bin"), (np.arange(4000) % 300).astype(np.uint16))
+    p = run_cli("-m", "llmz.train", *TINY, "--train-data", tmp_path / "t.bin", "--steps", 1)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error: ") and "is >= vocab size 256" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "step" not in p.stdout, (p.stdout, p.stderr)
+
+
 # ---- the log ----------------------------------------------------------------------------------------------------
 def test_the_log_has_its_name_from_the_first_step_and_a_resume_replaces_what_the_failed_attempt_wrote_after(
         tmp_path, monkeypatch):
