@@ -88,7 +88,10 @@ def main(argv=None) -> int:
         from .model import GPT2, FullParams
         from .progress import Progress
         from .tokenizer import TextStream
-        _, llmc = load_model(args.init_from)
+        try:
+            _, llmc = load_model(args.init_from)
+        except LlmzError as e:                  # found wrong while reading it, before any work: status 2
+            raise UsageError(str(e)) from None
         layout = Layout(cfg, 1)
         dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)

@@ -304,7 +304,7 @@ def test_a_model_with_a_nan_or_inf_anywhere_and_a_start_token_beyond_the_model_a
             load_model(str(tmp_path / "bad.bin"))
         assert f"1 of {n:,} parameters are NaN or infinite" in one_line(e)
         capsys.readouterr()
-        assert main(["--init-from", str(tmp_path / "bad.bin"), "--tokens", "3", "--device", "cpu"]) == 1
+        assert main(["--init-from", str(tmp_path / "bad.bin"), "--tokens", "3", "--device", "cpu"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and "NaN or infinite" in err[0], err
     # a sample without a prompt starts from the tokenizer's end-of-text: beyond the model's 256 tokens here

@@ -1,6 +1,7 @@
-"""The small tools around training: CUDA graphs off the GPU, and the loss-curve comparison."""
+"""The small tools around training: CUDA graphs off the GPU, the loss-curve comparison, the bad-input re-measure."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,3 +41,14 @@ def test_compare_logs_passes_within_tolerance_and_fails_outside(tmp_path):
     assert ok.returncode == 0 and ok.stdout.startswith("PASS") and "at step 1" in ok.stdout, ok.stdout
     bad = compare(ref, near, far, tol=1e-6)
     assert bad.returncode == 1 and "FAIL" in bad.stdout and "at step 2" in bad.stdout, bad.stdout
+
+
+def test_hostile_check_runs_its_cases_and_counts_them():
+    # issue 19's re-measure (tools/hostile_check.py); the whole set takes ~75 s, here the non-finite models and
+    # flags (8 cases today): every one must end in one line as promised, and the tally must say so
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "hostile_check.py"), "-k", "NaN"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    tally = p.stdout.strip().splitlines()[-1]
+    m = re.match(r"(\d+) cases: (\d+) one-line as promised", tally)
+    assert m and int(m[1]) == int(m[2]) >= 5 and "0 TRACEBACK, 0 HANG" in tally, tally
