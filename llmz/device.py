@@ -13,8 +13,8 @@ fast set also runs in the simulator (its warp shuffles emulated there), with the
 cuBLAS. --matmul and --attention refine it: the products by cuBLAS (fast, GPU) or the tiled teaching
 kernel; attention as flash attention (never storing the T x T scores; on a GPU in bf16 the fast set's
 tensor-core kernels, the default there), cuBLAS batched products around a softmax kernel (fast, GPU: the
-fp32 default) or the direct teaching kernels. The layer code never asks which device it runs on: it calls `dev.launch(kernel, grid, block,
-*args)` or, when `dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on
+fp32 default) or the direct teaching kernels. The layer code never asks which device it runs on: it calls
+`dev.launch(kernel, grid, block, *args)` or, when `dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on
 cpu and sim they are no-ops because everything already runs in program order.
 """
 from __future__ import annotations

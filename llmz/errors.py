@@ -1,5 +1,6 @@
 """One exception type for everything a user can get wrong (bad file, bad flag, config that cannot fit).
 Entry points catch it, print `error: <message>` as one line and exit non-zero; it never shows a traceback."""
+import contextlib
 import os
 import sys
 
@@ -15,6 +16,19 @@ class UsageError(LlmzError):
     """A command line refused at start, before any work (a flag, or a file a flag names): exit status 2,
     as argparse's own errors."""
     exit_code = 2
+
+
+@contextlib.contextmanager
+def before_any_work():
+    """Around the reading of the files the flags name, once the flags are checked and before any work: a
+    plain LlmzError raised inside (token ids beyond V, a corrupt checkpoint, a NaN in a model) is a refusal at
+    start, so it leaves as a UsageError (status 2); its subclasses (an AgreedError, a UsageError) as they are."""
+    try:
+        yield
+    except LlmzError as e:
+        if type(e) is not LlmzError:
+            raise
+        raise UsageError(str(e)) from None
 
 
 def one_line_interrupts() -> None:

@@ -73,7 +73,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     from .args import check_sample
-    from .errors import INTERRUPTED_EXIT, LlmzError, UsageError
+    from .errors import INTERRUPTED_EXIT, LlmzError, UsageError, before_any_work
     done = [0]
     try:
         args = build_parser().parse_args(argv)
@@ -88,10 +88,8 @@ def main(argv=None) -> int:
         from .model import GPT2, FullParams
         from .progress import Progress
         from .tokenizer import TextStream
-        try:
+        with before_any_work():                 # found wrong while reading it: status 2
             _, llmc = load_model(args.init_from)
-        except LlmzError as e:                  # found wrong while reading it, before any work: status 2
-            raise UsageError(str(e)) from None
         layout = Layout(cfg, 1)
         dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)

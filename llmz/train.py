@@ -554,7 +554,7 @@ def train(args, kind: str, ranks) -> dict:
     """Train as the flags say, on this rank. The end of a run goes in the order that loses nothing: the
     last checkpoint, --save, the log's end record and close, and only then the sample (its failure can no
     longer cost anything). A non-finite or diverged step stops the run, naming the step, on every rank."""
-    from .errors import LlmzError, UsageError
+    from .errors import LlmzError, before_any_work
     from .files import JsonLog
     from .launch import AgreedError, agree
     from .memory import table
@@ -569,14 +569,8 @@ def train(args, kind: str, ranks) -> dict:
     step = None
     try:
         notes = agree(ranks, lambda: take_locks(args, locks) if r0 else [])
-        try:
+        with before_any_work():                     # a file found wrong while reading it: status 2
             run = Run(args, kind, ranks)
-        except LlmzError as e:
-            # a file the flags name, found wrong while reading it (token ids beyond V, a corrupt checkpoint,
-            # a model that does not fit): refused before any work, so exit status 2 as for a bad flag
-            if type(e) is LlmzError:
-                raise UsageError(str(e)) from None
-            raise
         c = run.config
         d = run.dev
         kernels = (f"{d.kernel_set} kernels (matmul {d.matmul}, attention {d.attention})" if d.kernels

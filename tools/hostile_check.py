@@ -53,15 +53,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from llmz.checkpoint import load_model
+from llmz.checkpoint import MODEL_MAGIC, load_model
 from llmz.config import GPT2Config, preset
+from llmz.data import HEADER_BYTES, TOKENS_MAGIC
 from llmz.errors import LlmzError
-from llmz.lock import _start_tick
+from llmz.lock import Lock
 from llmz.state import read_state, write_state
-from llmz.tokenizer import write_tokenizer
+from llmz.tokenizer import TOKENIZER_MAGIC, write_tokenizer
 
-HEADER_BYTES = 1024
-MODEL_MAGIC, TOKENS_MAGIC, TOKENIZER_MAGIC = 20240326, 20240520, 20240328
 SHIPPED_VAL = REPO / "data" / "shakespeare_val.bin"
 SHIPPED_BYTE_TOKENIZER = REPO / "data" / "byte_tokenizer.bin"
 
@@ -263,16 +262,11 @@ def ck_nan(d: Path) -> None:
     shutil.copy(d.parent / "fixtures" / "model_nan.bin", step / "model.bin")
 
 
-def lock_file(path: Path, pid: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": time.time(),
-                                "tick": _start_tick(pid)}) + "\n")
-
-
 def live_lock(rel: str):
-    """A lock held by a process that lives (this checker)."""
+    """A lock held by a process that lives (this checker, through llmz's own Lock)."""
     def setup(d: Path) -> None:
-        lock_file(d / rel, os.getpid())
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        Lock(str(d / rel), "a live run").acquire()
     return setup
 
 
@@ -288,7 +282,10 @@ def stale_lock(rel: str):
                 break
             except PermissionError:
                 pid += 1
-        lock_file(d / rel, pid)
+        # llmz.lock's record, with a pid no process has (no start tick to compare)
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": time.time(),
+                                         "tick": None}) + "\n")
     return setup
 
 
