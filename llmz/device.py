@@ -84,8 +84,8 @@ def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
         raise ValueError("--attention gemm reads each head in place with cuBLAS: it needs --kernels fast and "
                          "--matmul cublas on a GPU (use --attention direct)")
     if attention == "auto":
-        # on a GPU: bf16 attention on tensor cores (llmz.fast.flash_attention: 39.0 ms a d12 step against
-        # gemm's 50.8, H200, BENCHMARKS.md); fp32 keeps cuBLAS's TF32 products around the softmax kernels
+        # on a GPU: bf16 attention on tensor cores (llmz.fast.flash_attention, the faster path: BENCHMARKS.md,
+        # issue 17); fp32 keeps cuBLAS's TF32 products around the softmax kernels
         if matmul == "cublas":
             attention = "flash" if precision == "bf16" else "gemm"
         else:
