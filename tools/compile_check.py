@@ -37,6 +37,10 @@ f32, f64, u16, u32, u64, i32, i64, b1 = (types.float32, types.float64, types.uin
                                          types.int32, types.int64, types.boolean)
 
 
+# the widths C of GPT-2's sizes (d12, d24, d36, d48): the kernels built per width are compiled at each
+WIDTHS = (768, 1024, 1280, 1600)
+
+
 def A(dtype, ndim=1):
     """A C-contiguous device array type."""
     return types.Array(dtype, ndim, "C")
@@ -59,20 +63,17 @@ def signatures(bf16: bool) -> dict:
     ln_bwd = (A(v, 2), A(v, 2), A(v, 2), A(v), A(f32), A(f32))
     sigs = {
         # ---- the fast set ----
-        "llmz.fast.gelu:gelu_forward_pairs_kernel": (A(w), A(w), i64),
-        "llmz.fast.gelu:gelu_backward_pairs_kernel": (A(w), A(w), A(w), i64, b1),
-        "llmz.fast.residual:residual_forward_pairs_kernel": (A(w), A(w), A(w), i64),
-        "llmz.fast.residual:residual_backward_pairs_kernel": (A(w), A(w), A(w), i64),
-        "llmz.fast.layernorm:layernorm_forward_warp_kernel": ln_fwd,
-        "llmz.fast.layernorm:layernorm_forward_warp_loop_kernel": ln_fwd,
-        "llmz.fast.layernorm:layernorm_backward_inp_warp_kernel": ln_bwd,
-        "llmz.fast.layernorm:layernorm_backward_inp_warp_loop_kernel": ln_bwd,
-        "llmz.fast.layernorm:layernorm_backward_params_kernel": (A(v), A(v), A(f64, 2), A(f64, 2), A(i32), A(v, 2),
-                                                                 A(v, 2), A(f32), A(f32), i64),
-        "llmz.fast.column_sum:column_sum_kernel": (A(v), A(f64, 2), A(i32), A(v, 2), i64),
-        "llmz.fast.column_sum:column_sum_pairs_kernel": (A(v), A(f64, 2), A(i32), A(w, 2), i64),
+        "llmz.fast.gelu:gelu_forward_units_kernel": (A(v), A(v), i64),
+        "llmz.fast.gelu:gelu_backward_units_kernel": (A(v), A(v), A(v), i64, b1),
+        "llmz.fast.residual:residual_forward_units_kernel": (A(v), A(v), A(v), i64),
+        "llmz.fast.residual:residual_backward_units_kernel": (A(v), A(v), A(v), i64),
+        "llmz.fast.column_sum:column_sum_units_kernel": (A(v), A(v), i64, A(f64, 2), A(i32), A(v), i64),
+        "llmz.fast.column_sum:column_sum_units_kernel#layernorm": (A(v), A(v), i64, A(f64, 2), A(i32), A(f32), i64),
         "llmz.fast.matmul:matmul_bias_fill_kernel": (A(w, 2), A(w)),
         "llmz.fast.encoder:encoder_backward_wte_bucket_kernel": (A(v, 2), A(v, 2), A(i32)),
+        "llmz.fast.encoder:encoder_forward_units_kernel": (A(v), A(i32), A(v), A(v), i64, i64, i64),
+        "llmz.fast.encoder:encoder_backward_wte_units_kernel": (A(v), A(v), A(i32), i64),
+        "llmz.fast.encoder:encoder_backward_wpe_units_kernel": (A(v), A(v), i64, i64, i64),
         "llmz.fast.classifier:classifier_fused_kernel": (A(f32), A(v, 2), A(i32), f64, i64),
         "llmz.fast.classifier:classifier_loss_kernel": (A(f32), A(v, 2), A(i32), i64),
         "llmz.fast.classifier:classifier_fused_pairs_kernel": (A(f32), A(w, 2), A(i32), f64, i64),
@@ -122,9 +123,15 @@ def signatures(bf16: bool) -> dict:
         "llmz.kernels.norm:clip_scale_kernel": (A(f64), A(f64), f64),
         "llmz.kernels.fill:fill_kernel": (A(v), i64, f64),
     }
+    flat_fwd = (A(v), A(f32), A(f32), A(v), A(v), A(v))
+    for C in WIDTHS:
+        sigs[f"llmz.fast.layernorm:forward_kernel@{C}"] = flat_fwd + (types.none, types.none)
+        sigs[f"llmz.fast.layernorm:forward_kernel@{C}#residual"] = flat_fwd + (A(v), A(v))
+        sigs[f"llmz.fast.layernorm:backward_kernel@{C}"] = (A(v), A(f32), A(v), A(v), A(v), A(f32), A(f32))
     if bf16:
         sigs.update({
-            "llmz.fast.adamw:adamw_bf16_pairs_kernel": (A(u32), A(u64), A(u32), A(u64), A(u64), i64, A(f64), f64,
+            "llmz.fast.classifier:units_kernel@50304,1024": (A(f32), A(u16), A(i32), f64, i64, b1),
+            "llmz.fast.adamw:adamw_bf16_units_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64,
                                                         f64, f64, f64, b1, u64, u64, i64),
             "llmz.kernels.adamw:adamw_bf16_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64, f64,
                                                      f64, f64, b1, u64, u64, i64),
@@ -148,10 +155,18 @@ def numbered(ptx: str) -> str:
     return re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0), f"NAME{len(names)}"), ptx)
 
 
+def kernel_of(target: str):
+    """The kernel a target names: "module:kernel", or "module:factory@C" (or "@C,N") for a kernel built per
+    width C (and block N); a "#note" at the end tells two signatures of one kernel apart."""
+    module, name = target.split("#")[0].split(":")
+    name, _, width = name.partition("@")
+    obj = getattr(importlib.import_module(module), name)
+    return obj(*(int(n) for n in width.split(","))) if width else obj
+
+
 def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
-    """(PTX, {registers, spill stores, spill loads}) of one kernel."""
-    module, name = target.split(":")
-    kernel = getattr(importlib.import_module(module), name)
+    """(PTX, {registers, spill bytes, stack frame bytes}) of one kernel."""
+    kernel = kernel_of(target)
     bounds = kernel.targetoptions.get("launch_bounds")
     fastmath = kernel.targetoptions.get("fastmath", False)        # as the kernel's own jit compiles it
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds, fastmath=fastmath)
@@ -164,7 +179,8 @@ def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
     if out.returncode:
         raise RuntimeError(out.stderr.strip())
     stats = {"registers": int(re.search(r"Used (\d+) registers", out.stderr).group(1)),
-             "spill": sum(int(x) for x in re.findall(r"(\d+) bytes spill", out.stderr))}
+             "spill": sum(int(x) for x in re.findall(r"(\d+) bytes spill", out.stderr)),
+             "stack": sum(int(x) for x in re.findall(r"(\d+) bytes stack frame", out.stderr))}
     return ptx, stats
 
 
@@ -195,7 +211,7 @@ def main(argv=None) -> int:
                 print(f"FAIL {target} ({'bf16' if bf16 else 'fp32'}): {str(e).splitlines()[-1] if str(e) else e!r}")
                 continue
             print(f"ok   {tag:<58} {stats['registers']:>4} registers, {stats['spill']:>4} bytes spilled, "
-                  f"PTX {len(ptx):>7} chars   [{target.split(':')[0]}]")
+                  f"{stats['stack']:>4} bytes stack, PTX {len(ptx):>7} chars   [{target.split(':')[0]}]")
             if args.ptx_dir:
                 os.makedirs(args.ptx_dir, exist_ok=True)
                 with open(os.path.join(args.ptx_dir, f"{tag.replace(' ', '_')}.ptx"), "w") as f:

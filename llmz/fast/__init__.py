@@ -22,7 +22,6 @@ from ..kernels import (
     classifier_backward,
     classifier_forward,
     clip_scale,
-    encoder_forward,
     fill,
     from_bf16,
     norm_squared,
@@ -34,7 +33,7 @@ from ..kernels import (
 from .adamw import adamw_update_bf16
 from .attention import attention_backward, attention_forward
 from .classifier import classifier_fused, classifier_loss
-from .encoder import encoder_backward
+from .encoder import encoder_backward, encoder_forward
 from .fill import zero
 from .flash_attention import flash_attention_backward, flash_attention_forward
 from .gelu import gelu_backward, gelu_forward
