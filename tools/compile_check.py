@@ -70,6 +70,7 @@ def signatures(bf16: bool) -> dict:
         "llmz.fast.column_sum:column_sum_units_kernel": (A(v), A(v), i64, A(f64, 2), A(i32), A(v), i64),
         "llmz.fast.column_sum:column_sum_units_kernel#layernorm": (A(v), A(v), i64, A(f64, 2), A(i32), A(f32), i64),
         "llmz.fast.matmul:matmul_bias_fill_kernel": (A(w, 2), A(w)),
+        "llmz.fast.matmul:matmul_bias_fill_units_kernel": (A(v), A(v), i64),
         "llmz.fast.encoder:encoder_backward_wte_bucket_kernel": (A(v, 2), A(v, 2), A(i32)),
         "llmz.fast.encoder:encoder_forward_units_kernel": (A(v), A(i32), A(v), A(v), i64, i64, i64),
         "llmz.fast.encoder:encoder_backward_wte_units_kernel": (A(v), A(v), A(i32), i64),

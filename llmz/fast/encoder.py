@@ -145,9 +145,8 @@ def encoder_backward_wpe_units_kernel(dwpe, dout, B, T, C):
     a time, in float64, added once. Accumulates (+=) into dwpe."""
     i = cuda.grid(1)
     U = C // UNIT
-    if i >= T * U:
-        return
-    e = UNIT * i                            # = t*C + 8 (i % U): the unit's offset in a (T, C) slice
+    e = UNIT * min(i, T * U - 1)            # = t*C + 8 (i % U): the unit's offset in a (T, C) slice (a thread
+    #                                         past the end takes the last unit: loads_barrier needs the whole warp)
     acc = cuda.local.array(UNIT, numba.float64)
     v = cuda.local.array(BATCH_VALUES, numba.float32)
     for j in range(UNIT):
@@ -162,6 +161,8 @@ def encoder_backward_wpe_units_kernel(dwpe, dout, B, T, C):
                 for j in range(UNIT):
                     acc[j] += v[UNIT * q + j]
         b += BATCH_ROWS
+    if i >= T * U:
+        return
     d0, d1, d2, d3, d4, d5, d6, d7 = load8(dwpe, e)
     store8(dwpe, e, numba.float32(d0 + acc[0]), numba.float32(d1 + acc[1]), numba.float32(d2 + acc[2]),
            numba.float32(d3 + acc[3]), numba.float32(d4 + acc[4]), numba.float32(d5 + acc[5]),
