@@ -141,24 +141,34 @@ class Table:
         for r in self.rows:
             print(f"{r['model']:<6}{r['case']:<28}{'v' + str(r['version']):<5}{r['us']:10.1f}{r['GB/s']:8.0f}"
                   f"{r['ceiling %']:6.1f}%{r['error']:9.1e}  {'PASS' if r['ok'] else 'FAIL'}")
-        out = os.environ.get("OUT")
+        out = os.environ.get("DEV_JSON_DIR") or os.environ.get("OUT")
         if out:
             with open(os.path.join(out, f"dev_{self.layer}.json"), "w") as f:
                 json.dump({"ceiling GB/s": self.ceiling, "rows": self.rows}, f, indent=1)
         return 0 if all(r["ok"] for r in self.rows) else 1
 
 
-def run(layer: str, doc: str, versions: dict, cases, argv) -> int:
-    """The script's main. cases(cfg, B) yields (case name, make() -> {name: CuPy array}, outputs (the names a
-    call only writes), reference(arrays) -> {name: float64 array}, bytes, tolerance, applies(version) ->
-    bool); versions: {number: (name, call(dev, arrays, case name))}; a call may return a function of no
-    arguments, which is then what is timed (e.g. a library call without the copy of its result into the
-    checked array). See the module docstring."""
-    args = parse(argv, doc, versions)
-    dev = device()
-    table = Table(layer, copy_ceiling(dev))
-    print(f"{layer}: copy ceiling {table.ceiling:.0f} GB/s; versions {args.versions}", flush=True)
-    t0 = time.time()
+@contextlib.contextmanager
+def gpu_lock(exclusive: bool):
+    """With KERN_GPU_LOCK set (tools/kern_gpu.sh runs the scripts side by side): a shared flock while a script
+    compiles and checks, an exclusive one while it times, so no timing overlaps another process's GPU work."""
+    path = os.environ.get("KERN_GPU_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_all(dev, args, versions, cases) -> list:
+    """Phase 1: every (model, case, version) checked on fresh inputs. Returns (row fields, what to time or
+    None) for each, the arrays kept alive for the timing."""
+    checked = []
     for model in args.models:
         cfg = preset(model)
         for case, make, outputs, reference, nbytes, tol, applies in cases(cfg, args.batch_size):
@@ -179,10 +189,38 @@ def run(layer: str, doc: str, versions: dict, cases, argv) -> int:
                     err = max(rel(arrays[o], want[o]) for o in want)
                     if not callable(timed):
                         timed = (lambda call=call, arrays=arrays, case=case: call(dev, arrays, case))
-                    us = time_us(dev, timed, args.reps)
-                    table.add(model, case, v, name, us, nbytes, err, err < tol)
+                    checked.append(((model, case, v, name, nbytes, err, err < tol, ""), timed))
                 except Exception as e:  # noqa: BLE001 (one line a failed version; the next one runs)
-                    table.add(model, case, v, name, 0.0, nbytes, float("nan"), False,
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    print(f"({time.time() - t0:.0f} s)")
+                    note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                    checked.append(((model, case, v, name, nbytes, float("nan"), False, note), None))
+                print(f"  checked {model} {case} v{v}: {checked[-1][0][5]:.1e} {checked[-1][0][7]}", flush=True)
+            del want
+    return checked
+
+
+def run(layer: str, doc: str, versions: dict, cases, argv) -> int:
+    """The script's main. cases(cfg, B) yields (case name, make() -> {name: CuPy array}, outputs (the names a
+    call only writes), reference(arrays) -> {name: float64 array}, bytes, tolerance, applies(version) ->
+    bool); versions: {number: (name, call(dev, arrays, case name))}; a call may return a function of no
+    arguments, which is then what is timed (e.g. a library call without the copy of its result into the
+    checked array). Checks everything first, then times everything (see gpu_lock)."""
+    args = parse(argv, doc, versions)
+    dev = device()
+    t0 = time.time()
+    with gpu_lock(False):
+        checked = check_all(dev, args, versions, cases)
+    print(f"{layer}: checked in {time.time() - t0:.0f} s; waiting to time", flush=True)
+    with gpu_lock(True):
+        t1 = time.time()
+        table = Table(layer, copy_ceiling(dev))
+        print(f"{layer}: copy ceiling {table.ceiling:.0f} GB/s; versions {args.versions}", flush=True)
+        for (model, case, v, name, nbytes, err, ok, note), timed in checked:
+            us = 0.0
+            if timed is not None:
+                try:
+                    us = time_us(dev, timed, args.reps)
+                except Exception as e:  # noqa: BLE001
+                    note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            table.add(model, case, v, name, us, nbytes, err, ok, note)
+        print(f"({time.time() - t1:.0f} s timing)")
     return table.print()

@@ -307,3 +307,51 @@ def test_classifier_pairs_layers_are_the_scalar_kernels_bit_for_bit_at_d12_size(
     np.testing.assert_array_equal(bits(lo), bits(lo_s))
     np.testing.assert_array_equal(bits(lo_only), bits(lo))
     assert np.all(bits(d)[:, V:] == 0) and not np.isnan(lo).any()
+
+
+# ---- the units kernel: bf16 rows in registers ------------------------------------------------------------
+# (3, 50, 64): V not a multiple of 8 (the padded unit half real), one unit a thread in the simulator's 32-thread
+# block; (2, 300, 320): 40 units, a second unit for the first 8 threads; targets include the last real column
+@pytest.mark.parametrize("rows, V, Vp", [(3, 50, 64), (2, 300, 320)])
+def test_classifier_units_kernel_matches_the_float64_fused_reference(fdev, rng, launched, rows, V, Vp):
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    logits, targets = logits[0], targets[0]
+    targets[-1] = V - 1
+    x = f32_to_bf16(logits)
+    dloss = 1.0 / rows
+    want_losses, want_d = np.empty(rows), bf16_to_f32(x).astype(np.float64)
+    classifier_fused_ref(want_losses, want_d, targets, dloss, V)
+    xd, losses = fdev.asarray(x), poisoned(fdev, rows, np.float32)
+    names = launched(fdev)
+    classifier_fused(fdev, losses, xd, fdev.asarray(targets), dloss, V)
+    assert names == ["classifier_units_kernel"]
+    # float32 exponentials (ex2.approx on the GPU), float32 sums a thread, float64 across: ~1e-7
+    assert rel_err(fdev.to_host(losses), want_losses) < 1e-6
+    got = fdev.to_host(xd)
+    assert_within_one_step(got, f32_to_bf16(want_d.astype(np.float32)), atol=1e-7)
+    assert not np.any(bf16_to_f32(got)[:, V:]), "padded columns must get a zero gradient"
+    # the losses alone: the same losses, the logits untouched
+    xd2, losses2 = fdev.asarray(x), poisoned(fdev, rows, np.float32)
+    classifier_loss(fdev, losses2, xd2, fdev.asarray(targets), V)
+    np.testing.assert_array_equal(fdev.to_host(losses2), fdev.to_host(losses))
+    np.testing.assert_array_equal(fdev.to_host(xd2), x)
+
+
+@pytest.mark.gpu
+def test_classifier_units_kernel_at_gpt2_size(fdev, rng):
+    rows, V, Vp = 4096, 50257, 50304
+    logits, targets = random_inputs(rng, 1, rows, V, Vp)
+    x = f32_to_bf16(logits[0])
+    want_losses, want_d = np.empty(rows), bf16_to_f32(x).astype(np.float64)
+    classifier_fused_ref(want_losses, want_d, targets[0], 1.0 / rows, V)
+    runs = []
+    for _ in range(2):                                      # the same bits twice
+        xd, losses = fdev.asarray(x), poisoned(fdev, rows, np.float32)
+        classifier_fused(fdev, losses, xd, fdev.asarray(targets[0]), 1.0 / rows, V)
+        runs.append((fdev.to_host(losses), fdev.to_host(xd)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    err = rel_err(runs[0][0], want_losses)
+    print(f"classifier units kernel rows={rows} Vp={Vp}: losses relative error {err:.2e}")
+    assert err < 1e-6
+    assert_within_one_step(runs[0][1], f32_to_bf16(want_d.astype(np.float32)), atol=1e-9)
