@@ -32,7 +32,8 @@ def check_step(got, state, g, decay, t, stochastic, offset):
     # within a few float32 ulps of the terms it is made of (m = beta1 m + (1 - beta1) g may cancel: its error
     # is the terms' rounding, not the result's)
     g32 = bf16_to_f32(g).astype(np.float64) * scalars5_at(t)[1]
-    terms = {"master": np.abs(state[1]), "m": BETA1 * np.abs(state[2]) + (1 - BETA1) * np.abs(g32),
+    terms = {"master": np.abs(state[1]) + np.abs(state[1] - master),       # the master and its update
+             "m": BETA1 * np.abs(state[2]) + (1 - BETA1) * np.abs(g32),
              "v": np.abs(v)}
     for name, a, b in zip(("master", "m", "v"), got[1:], (master, m, v)):
         assert rel_err(a, b) < 1e-6, name
