@@ -37,7 +37,7 @@ from ..kernels import encoder as teaching
 from ..kernels.bf16 import load, store_add
 from ..kernels.encoder import encoder_backward_wpe_kernel
 from .device_helpers import WARP, loads_barrier
-from .vectors import UNIT, load8, load8_into, store8, store8_from, two_slots, unit_blocks, units_fit
+from .vectors import UNIT, add_store_slots, load8, load8_into, store8, two_slots, unit_blocks, units_fit
 
 WTE_WARPS = 4               # warps splitting a token run's positions in the units wte backward
 POSITIONS = 4               # positions a warp loads before adding them
@@ -83,12 +83,7 @@ def encoder_forward_units_kernel(out, inp, wte, wpe, C, T, n_units):
     load8_into(p, 0, wpe, (r0 % T) * C + c0)
     load8_into(p, UNIT, wpe, (r1 % T) * C + c1)
     loads_barrier()
-    for k in range(TWO_UNITS):
-        x[k] += p[k]
-    if i0 < n_units:
-        store8_from(out, e0, x, 0)
-    if i1 < n_units:
-        store8_from(out, e1, x, UNIT)
+    add_store_slots(out, x, p, i0, i1, e0, e1, n_units)
 
 
 @cuda.jit

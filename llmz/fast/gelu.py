@@ -28,9 +28,9 @@ from .vectors import (
     UNIT,
     exp2_approx,
     launch_units,
-    load8_into,
+    load_slots,
     rcp_approx,
-    store8_from,
+    store_slots,
     two_slots,
 )
 
@@ -69,15 +69,11 @@ def gelu_forward_units_kernel(out, inp, n_units):
     """out, inp: (8 n_units,). Overwrites out."""
     i0, i1, e0, e1 = two_slots(n_units)
     x = cuda.local.array(VALUES, np.float32)
-    load8_into(x, 0, inp, e0)
-    load8_into(x, UNIT, inp, e1)
+    load_slots(x, inp, e0, e1)
     loads_barrier()
     for k in range(VALUES):
         x[k] = gelu_fast(x[k])
-    if i0 < n_units:
-        store8_from(out, e0, x, 0)
-    if i1 < n_units:
-        store8_from(out, e1, x, UNIT)
+    store_slots(out, x, i0, i1, e0, e1, n_units)
 
 
 @cuda.jit
@@ -88,21 +84,15 @@ def gelu_backward_units_kernel(dinp, inp, dout, n_units, accumulate):
     x = cuda.local.array(VALUES, np.float32)
     g = cuda.local.array(VALUES, np.float32)
     d = cuda.local.array(VALUES, np.float32)
-    load8_into(x, 0, inp, e0)
-    load8_into(x, UNIT, inp, e1)
-    load8_into(g, 0, dout, e0)
-    load8_into(g, UNIT, dout, e1)
+    load_slots(x, inp, e0, e1)
+    load_slots(g, dout, e0, e1)
     if accumulate:
-        load8_into(d, 0, dinp, e0)
-        load8_into(d, UNIT, dinp, e1)
+        load_slots(d, dinp, e0, e1)
     loads_barrier()
     for k in range(VALUES):
         v = gelu_grad_fast(x[k]) * g[k]
         d[k] = d[k] + v if accumulate else v
-    if i0 < n_units:
-        store8_from(dinp, e0, d, 0)
-    if i1 < n_units:
-        store8_from(dinp, e1, d, UNIT)
+    store_slots(dinp, d, i0, i1, e0, e1, n_units)
 
 
 # ---- the layer ---------------------------------------------------------------------------------

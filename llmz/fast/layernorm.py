@@ -145,13 +145,10 @@ def backward_kernel(C: int):
         t = cuda.threadIdx.x
         warp, lane = t // WARP, t & (WARP - 1)
         sums = cuda.shared.array((2, 2, TW), numba.float64)     # [row parity][sum][warp]
+        # this thread's weights, once; its sums start at 0
         w = cuda.local.array(NV, numba.float32)
-        x = cuda.local.array(NV, numba.float32)
-        g = cuda.local.array(NV, numba.float32)
-        d = cuda.local.array(NV, numba.float32)
         dw = cuda.local.array(NV, numba.float32)
         db = cuda.local.array(NV, numba.float32)
-        # this thread's weights, once; its sums start at 0
         for k in range(VPT):
             c = UNIT * min(t + TPB * k, U - 1)
             w[8 * k], w[8 * k + 1], w[8 * k + 2], w[8 * k + 3], w[8 * k + 4], w[8 * k + 5], w[8 * k + 6], \
@@ -160,6 +157,9 @@ def backward_kernel(C: int):
                 dw[8 * k + j] = 0.0
                 db[8 * k + j] = 0.0
         parity = 0
+        x = cuda.local.array(NV, numba.float32)         # the row's inp (then its norm), dout, dinp
+        g = cuda.local.array(NV, numba.float32)
+        d = cuda.local.array(NV, numba.float32)
         for row in range(cuda.blockIdx.x, N, cuda.gridDim.x):
             base = row * C
             # the row's units of inp, dout and dinp, all loads first (past the last unit: unit U-1, unused)

@@ -13,7 +13,7 @@ from numba import cuda
 
 from ..kernels import residual as teaching
 from .device_helpers import loads_barrier
-from .vectors import UNIT, launch_units, load8_into, store8_from, two_slots
+from .vectors import UNIT, add_store_slots, launch_units, load_slots, store_slots, two_slots
 
 VALUES = 2 * UNIT           # the values of a thread's two units
 
@@ -25,17 +25,10 @@ def residual_forward_units_kernel(out, inp1, inp2, n_units):
     i0, i1, e0, e1 = two_slots(n_units)
     a = cuda.local.array(VALUES, np.float32)
     b = cuda.local.array(VALUES, np.float32)
-    load8_into(a, 0, inp1, e0)
-    load8_into(a, UNIT, inp1, e1)
-    load8_into(b, 0, inp2, e0)
-    load8_into(b, UNIT, inp2, e1)
+    load_slots(a, inp1, e0, e1)
+    load_slots(b, inp2, e0, e1)
     loads_barrier()
-    for k in range(VALUES):
-        a[k] += b[k]
-    if i0 < n_units:
-        store8_from(out, e0, a, 0)
-    if i1 < n_units:
-        store8_from(out, e1, a, UNIT)
+    add_store_slots(out, a, b, i0, i1, e0, e1, n_units)
 
 
 @cuda.jit
@@ -43,24 +36,18 @@ def residual_backward_units_kernel(dinp1, dinp2, dout, n_units):
     """dinp1, dinp2, dout: (8 n_units,), dinp1 and dinp2 different arrays. Accumulates (+=) into both."""
     i0, i1, e0, e1 = two_slots(n_units)
     g = cuda.local.array(VALUES, np.float32)
+    load_slots(g, dout, e0, e1)
+    # the two gradients added to, read with dout before any add
     p = cuda.local.array(VALUES, np.float32)
+    load_slots(p, dinp1, e0, e1)
     q = cuda.local.array(VALUES, np.float32)
-    load8_into(g, 0, dout, e0)
-    load8_into(g, UNIT, dout, e1)
-    load8_into(p, 0, dinp1, e0)
-    load8_into(p, UNIT, dinp1, e1)
-    load8_into(q, 0, dinp2, e0)
-    load8_into(q, UNIT, dinp2, e1)
+    load_slots(q, dinp2, e0, e1)
     loads_barrier()
     for k in range(VALUES):
         p[k] += g[k]
         q[k] += g[k]
-    if i0 < n_units:
-        store8_from(dinp1, e0, p, 0)
-        store8_from(dinp2, e0, q, 0)
-    if i1 < n_units:
-        store8_from(dinp1, e1, p, UNIT)
-        store8_from(dinp2, e1, q, UNIT)
+    store_slots(dinp1, p, i0, i1, e0, e1, n_units)
+    store_slots(dinp2, q, i0, i1, e0, e1, n_units)
 
 
 # ---- the layer ---------------------------------------------------------------------------------

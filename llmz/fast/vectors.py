@@ -254,6 +254,30 @@ def two_slots(n_units):
     return i0, i1, UNIT * min(i0, last), UNIT * min(i1, last)
 
 
+@cuda.jit(device=True)
+def load_slots(v, a, e0, e1):
+    """v[0:8], v[8:16] = a thread's two units of a (at elements e0, e1: two_slots)."""
+    load8_into(v, 0, a, e0)
+    load8_into(v, UNIT, a, e1)
+
+
+@cuda.jit(device=True)
+def store_slots(a, v, i0, i1, e0, e1, n_units):
+    """A thread's two units of a (units i0, i1 at elements e0, e1) = v[0:8], v[8:16], each one inside the array."""
+    if i0 < n_units:
+        store8_from(a, e0, v, 0)
+    if i1 < n_units:
+        store8_from(a, e1, v, UNIT)
+
+
+@cuda.jit(device=True)
+def add_store_slots(a, v, w, i0, i1, e0, e1, n_units):
+    """store_slots of v + w (v is overwritten with the sums): an add of two loaded slots, stored."""
+    for k in range(2 * UNIT):
+        v[k] += w[k]
+    store_slots(a, v, i0, i1, e0, e1, n_units)
+
+
 def unit_blocks(dev, n: int) -> int:
     """Blocks of an elementwise unit kernel over n elements (n % 8 == 0): UNITS_PER_THREAD units a thread."""
     return max(1, -(-n // (UNIT * UNITS_PER_THREAD * dev.block_size)))
