@@ -17,11 +17,14 @@ if [[ $what == call1 ]]; then
   export KERN_GPU_LOCK=/tmp/kern_gpu.lock DEV_JSON_DIR=/tmp/kern_dev_json
   rm -f "$KERN_GPU_LOCK"; mkdir -p "$DEV_JSON_DIR"
   # the GPU tests hold the shared lock while they run: no dev script times until they are done
-  flock -s "$KERN_GPU_LOCK" timeout 150 $py -m pytest -q -p no:cacheprovider -n 6 -m gpu -rA \
-    tests/test_fast_*.py > "$OUT/pytest.txt" 2>&1 &
+  tests="tests/test_fast_layernorm.py tests/test_fast_column_sum.py tests/test_fast_gelu.py tests/test_fast_residual.py
+    tests/test_fast_adamw.py tests/test_fast_classifier.py tests/test_fast_encoder.py tests/test_fast_matmul.py
+    tests/test_fast_cublaslt.py"
+  flock -s "$KERN_GPU_LOCK" timeout 110 $py -m pytest -q -p no:cacheprovider -n 8 -m gpu -rfE $tests \
+    > "$OUT/pytest.txt" 2>&1 &
   sleep 2
   for layer in layernorm column_sum gelu residual adamw classifier encoder matmul; do
-    timeout 300 $py dev/$layer.py --model all > "/tmp/kern_dev_$layer.txt" 2>&1 &
+    timeout 200 $py dev/$layer.py --model all --reps 10 > "/tmp/kern_dev_$layer.txt" 2>&1 &
   done
   wait
   stamp "tests and dev scripts done"
@@ -29,7 +32,7 @@ if [[ $what == call1 ]]; then
     echo "===== dev/$layer.py"; cat "/tmp/kern_dev_$layer.txt"
   done > "$OUT/dev.txt"
   $py -c "import json, glob, os; print(json.dumps({os.path.basename(p): json.load(open(p)) for p in sorted(glob.glob('$DEV_JSON_DIR/*.json'))}))" > "$OUT/dev.json"
-  timeout 120 $py -m llmz.bench --precision bf16 --model d48 -b 8 --per-kernel --steps 5 --warmup 2 \
+  timeout 100 $py -m llmz.bench --precision bf16 --model d48 -b 8 --per-kernel --steps 5 --warmup 2 \
     > "$OUT/bench_d48.txt" 2>&1
   stamp "bench done"
   tail -3 "$OUT/pytest.txt"; grep -E "FAIL|Error" "$OUT/pytest.txt" | head -20

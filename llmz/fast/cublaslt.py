@@ -81,7 +81,9 @@ class _Plan:
         self.heuristic = ctypes.create_string_buffer(HEURISTIC_RESULT_BYTES)
         found = I32(0)
         lt.check(lt.lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, self.desc, self.a, self.b, self.c, self.c, pref, 1,
-                                                       self.heuristic, ctypes.byref(found)), "AlgoGetHeuristic")
+                                                       ctypes.addressof(self.heuristic), ctypes.byref(found)),
+                 "AlgoGetHeuristic")
+        self.algo = ctypes.addressof(self.heuristic)    # the result's first field is the algorithm
         lt.lib.cublasLtMatmulPreferenceDestroy(pref)
         if found.value < 1:
             raise RuntimeError(f"cuBLASLt: no algorithm for {key}")
@@ -177,5 +179,5 @@ def matmul_lt(dev, c, a, b, trans_a: bool, trans_b: bool, accumulate: bool, epil
     with dev.region(name, flops=2 * M * N * K, nbytes=nbytes):
         lt.check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, lt.scalar(alpha), b.data.ptr, plan.a, a.data.ptr,
                                        plan.b, lt.scalar(1.0 if accumulate else 0.0), c.data.ptr, plan.c,
-                                       c.data.ptr, plan.c, plan.heuristic, lt.workspace.data.ptr, WORKSPACE_BYTES,
+                                       c.data.ptr, plan.c, plan.algo, lt.workspace.data.ptr, WORKSPACE_BYTES,
                                        lt.stream), "Matmul")
