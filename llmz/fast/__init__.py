@@ -9,9 +9,11 @@ there is one, the teaching one otherwise (imported from llmz.kernels below). The
 (`fast if dev.fast else kernels`, --kernels) and calls the same names. The fast set assumes a Device with
 kernels (gpu, or the simulator, which emulates its warp shuffles); cuBLAS needs a GPU.
 
-    device_helpers.py  warp reductions, words of two elements, four slots a thread, launch helpers
-    column_sum.py      the one-launch deterministic column sums (matmul's bias gradient, layernorm's pieces)
+    device_helpers.py  warp reductions, words of two elements, the loads barrier, launch helpers
+    vectors.py         16-byte units of 8 elements (the memory-bound kernels' loads and stores), ex2/rcp approx
+    column_sum.py      the one-launch deterministic column sums (matmul's bias gradient, layernorm's dweight/dbias)
     gemm.py            cuBLAS (TF32 / bf16 tensor cores) through our own ctypes handle
+    cublaslt.py        cuBLASLt with epilogues (bias, GELU, dGELU, bias gradients) on the same kind of handle
     mma.py             tensor cores from Numba: the mma.sync, ldmatrix and cp.async intrinsics (inline PTX)
 """
 # no fast version: the teaching kernels
