@@ -70,8 +70,10 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
     out2 = out.reshape(-1, OC)
     # out = bias in every row, then out += inp (N,C) @ weight.T (C,OC): the sum rounded once
     if bias is not None and OC % UNIT == 0 and out2.dtype == bias.dtype and units_fit(out2, bias):
-        dev.launch(matmul_bias_fill_units_kernel, bias_grid(dev, out2.shape[0], OC // UNIT), dev.block_size,
-                   out2.reshape(-1), bias, OC)
+        # a block per FILL_ROWS rows and up to dev.block_size units: no idle threads at OC = 768 (96 units)
+        threads = min(dev.block_size, ceil_div(OC // UNIT, 32) * 32)
+        dev.launch(matmul_bias_fill_units_kernel, (ceil_div(out2.shape[0], FILL_ROWS), ceil_div(OC // UNIT, threads)),
+                   threads, out2.reshape(-1), bias, OC)
     elif bias is not None:
         fill_out, fill_bias = out2, bias
         if out2.dtype == bias.dtype and OC % 2 == 0 and pairs_apply(out2, bias):
