@@ -8,7 +8,6 @@ from test_encoder import MAXT, TOKENS, VP, C, forward64  # noqa: F401
 
 from helpers import assert_within_one_step, rand_bf16, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.fast import encoder as fast_encoder
 from llmz.fast.encoder import (
     encoder_backward,
     encoder_backward_wte_bucket_kernel,
@@ -212,42 +211,3 @@ def test_encoder_fast_backward_is_within_k_roundings_of_the_teaching_kernel_at_g
     print(f"encoder dwte fast vs teaching: worst |diff| / (k |terms| 2^-24) {np.max(err / np.maximum(bound, 1e-300)):.3f}; "
           f"{np.mean(err == 0):.4%} bit-identical; most repeats k = {counts.max()}")
     assert np.all(err <= bound)
-
-
-# ---- the units kernels (C % 8 == 0) ----------------------------------------------------------------------
-# (4,8) over 5 ids (long runs: more positions than the wte kernel's 4 warps x 4 in flight), C = 48 (6 units);
-# (2,3) over 1000 ids (runs of one), C = 264 (a second strip of 32 units in the wte kernel's grid)
-@pytest.mark.parametrize("shape, vocab, c", [((4, 8), 5, 48), ((2, 3), 1000, 264)])
-@pytest.mark.parametrize("storage", ["float32", "bf16"])
-def test_encoder_units_kernels_match_reference_and_repeat(fdev, rng, launched, shape, vocab, c, storage):
-    B, T = shape
-    conv = (lambda a: a.astype(np.float32)) if storage == "float32" else (lambda a: f32_to_bf16(a))
-    back = (lambda a: np.asarray(a, np.float64)) if storage == "float32" else (lambda a: bf16_to_f32(a).astype(np.float64))
-    tokens = rng.integers(0, vocab, size=shape).astype(np.int32)
-    wte, wpe, dout = conv(rng.normal(size=(vocab, c))), conv(rng.normal(size=(T + 2, c))), conv(rng.normal(size=(B, T, c)))
-    dwte0, dwpe0 = conv(rng.normal(size=(vocab, c))), conv(rng.normal(size=(T + 2, c)))
-    names = launched(fdev)
-    out = fdev.asarray(conv(np.full((B, T, c), np.nan)))
-    fast_encoder.encoder_forward(fdev, out, fdev.asarray(tokens), fdev.asarray(wte), fdev.asarray(wpe))
-    want = np.empty((B, T, c))
-    teaching.encoder_forward_ref(want, tokens, back(wte), back(wpe))
-    # the same add as the teaching kernel, one rounding: its bits
-    np.testing.assert_array_equal(fdev.to_host(out), conv(want.astype(np.float32)))
-    buckets = wte_buckets_upload(fdev, tokens)
-    runs = []
-    for _ in range(2):
-        dwte, dwpe = fdev.asarray(dwte0), fdev.asarray(dwpe0)
-        encoder_backward(fdev, dwte, dwpe, fdev.asarray(dout), fdev.asarray(tokens), buckets=buckets)
-        runs.append((fdev.to_host(dwte), fdev.to_host(dwpe)))
-    assert names[:2] == ["encoder_forward_units_kernel", "encoder_backward_wpe_units_kernel"]
-    assert names[2] == "encoder_backward_wte_units_kernel"
-    for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
-    ref_wte, ref_wpe = back(dwte0), back(dwpe0)
-    encoder_backward_ref(ref_wte, ref_wpe, back(dout), tokens)
-    if storage == "float32":
-        # float64 sums of each token's (position's) rows, rounded once with the start: an ulp or so
-        assert rel_err(runs[0][0], ref_wte) < 1e-6 and rel_err(runs[0][1], ref_wpe) < 1e-6
-    else:
-        assert_within_one_step(runs[0][0], f32_to_bf16(ref_wte.astype(np.float32)), atol=1e-6)
-        assert_within_one_step(runs[0][1], f32_to_bf16(ref_wpe.astype(np.float32)), atol=1e-6)

@@ -1,9 +1,8 @@
-"""The residual's fast kernels (llmz/fast/residual.py: units of 8 elements, 16-byte loads) against the teaching
-kernels (llmz/kernels/residual.py): the teaching kernels' bits, in the simulator and on the GPU at GPT-2 sizes;
-float32 and bf16 arrays mixed; the units only where they fit."""
+"""The residual's fast kernels (llmz/fast/residual.py) against the teaching kernels (llmz/kernels/residual.py):
+the paired kernels give the teaching kernels' bits, in the simulator and on the GPU at d12's size."""
 import numpy as np
 import pytest
-from test_fast_gelu import SIZES
+from test_fast_gelu import WORD_COUNTS
 from test_residual import residual_bf16_against_float32
 
 import llmz.fast
@@ -11,31 +10,34 @@ from helpers import STORAGES, bits, nan_storage, rand_storage
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.device import ceil_div
 from llmz.fast import residual as fast
-from llmz.fast.vectors import unit_blocks
+from llmz.fast.device_helpers import elementwise_blocks, pair_view
 from llmz.kernels import residual as teaching
 
 
 def forward_both(dev, a, b, out_storage):
-    """out of the teaching kernel and of the units kernel, both started from NaN."""
+    """out of the teaching kernel and of the paired kernel, both started from NaN."""
     n = a.size
     out, outp = nan_storage(dev, n, out_storage), nan_storage(dev, n, out_storage)
     dev.launch(teaching.residual_forward_kernel, ceil_div(n, dev.block_size), dev.block_size, out, a, b, n)
-    dev.launch(fast.residual_forward_units_kernel, unit_blocks(dev, n), dev.block_size, outp, a, b, n // 8)
+    dev.launch(fast.residual_forward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+               pair_view(outp), pair_view(a), pair_view(b), n // 2)
     return out, outp
 
 
 def backward_both(dev, s1, s2, dout):
-    """(dinp1, dinp2) of the teaching kernel and of the units kernel, each started from copies of s1, s2."""
+    """(dinp1, dinp2) of the teaching kernel and of the paired kernel, each started from copies of s1, s2."""
     n = dout.size
     d1, d2, d1p, d2p = s1.copy(), s2.copy(), s1.copy(), s2.copy()
     dev.launch(teaching.residual_backward_kernel, ceil_div(n, dev.block_size), dev.block_size, d1, d2, dout, n)
-    dev.launch(fast.residual_backward_units_kernel, unit_blocks(dev, n), dev.block_size, d1p, d2p, dout, n // 8)
+    dev.launch(fast.residual_backward_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+               pair_view(d1p), pair_view(d2p), pair_view(dout), n // 2)
     return (d1, d2), (d1p, d2p)
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("n", SIZES)
-def test_residual_units_kernels_are_the_teaching_kernels_bit_for_bit(kdev, rng, storage, n):
+@pytest.mark.parametrize("n_words", WORD_COUNTS)
+def test_residual_pairs_kernels_are_the_teaching_kernels_bit_for_bit(kdev, rng, storage, n_words):
+    n = 2 * n_words
     a, b, dout, s1, s2 = (kdev.asarray(rand_storage(rng, n, storage)) for _ in range(5))
     # forward overwrites: outputs start NaN; the same float32 add and rounding per element: the same bits
     out, outp = forward_both(kdev, a, b, storage)
@@ -46,22 +48,22 @@ def test_residual_units_kernels_are_the_teaching_kernels_bit_for_bit(kdev, rng, 
         np.testing.assert_array_equal(bits(kdev.to_host(got)), bits(kdev.to_host(want)))
 
 
-def test_residual_forward_units_kernel_mixes_float32_and_bf16_arrays(kdev, rng):
-    # a float32 array (two 16-byte loads a unit) plus a bf16 one (one) into bf16: unit u is elements 8u..8u+7
-    # in both
-    a, b = (kdev.asarray(rand_storage(rng, 8 * 37, s)) for s in STORAGES)
+def test_residual_forward_pairs_kernel_mixes_float32_and_bf16_words(kdev, rng):
+    # a float32 stream (uint64 words) plus a bf16 one (uint32 words) into bf16: word w is elements 2w, 2w+1
+    # in both views
+    a, b = (kdev.asarray(rand_storage(rng, 2 * 37, s)) for s in STORAGES)
     out, outp = forward_both(kdev, a, b, "bf16")
     np.testing.assert_array_equal(kdev.to_host(outp), kdev.to_host(out))
     np.testing.assert_array_equal(kdev.to_host(outp), f32_to_bf16(kdev.to_host(a) + bf16_to_f32(kdev.to_host(b))))
 
 
-def test_residual_fast_layer_takes_the_units_for_aligned_arrays_of_whole_units(fdev, rng, launched):
+def test_residual_fast_layer_takes_the_pairs_for_even_aligned_arrays(fdev, rng, launched):
     a, b = (fdev.asarray(rng.normal(size=41), np.float32) for _ in range(2))
     out = fdev.full(41, np.nan, np.float32)
     names = launched(fdev)
-    fast.residual_forward(fdev, out[:40], a[:40], b[:40])          # 5 units on 16 bytes: the units
-    fast.residual_forward(fdev, out[1:], a[1:], b[1:])             # a view off 16 bytes: the teaching kernel
-    assert names == ["residual_forward_units_kernel", "residual_forward_kernel"]
+    fast.residual_forward(fdev, out[:40], a[:40], b[:40])          # even, aligned: the pairs
+    fast.residual_forward(fdev, out[1:], a[1:], b[1:])             # a view at an odd element: the teaching kernel
+    assert names == ["residual_forward_pairs_kernel", "residual_forward_kernel"]
     np.testing.assert_array_equal(fdev.to_host(out), fdev.to_host(a) + fdev.to_host(b))
 
 

@@ -50,15 +50,11 @@ def update_once(kernel_set, rng_seed):
     return dev.to_host(z.params), dev.to_host(z.master), dev.to_host(z.m), norm, dev.to_host(z.grads)
 
 
-def test_zero_update_with_the_fast_kernels_matches_the_teaching_update():
-    # the fast set's bf16 AdamW (float32 arithmetic on units of 8) and memset zeroing; the norm and clip are the
-    # teaching kernels in both: the master and m within float32 rounding of the teaching (float64) update, the
-    # bf16 parameters within a step (the same random word per element)
+def test_zero_update_with_the_fast_kernels_gives_the_teaching_bits():
+    # the fast set's paired bf16 AdamW and memset zeroing; the norm and clip are the teaching kernels in both
     teaching, fast = update_once("teaching", 3), update_once("fast", 3)
-    for name, t, f in zip(("master", "m"), teaching[1:3], fast[1:3]):
-        np.testing.assert_allclose(f, t, rtol=1e-5, atol=1e-9, err_msg=name)
-    steps = np.abs(fast[0].astype(np.int64) - teaching[0].astype(np.int64))
-    assert steps.max() <= 1 and np.mean(steps == 0) > 0.99
+    for name, t, f in zip(("params", "master", "m"), teaching[:3], fast[:3]):
+        np.testing.assert_array_equal(f.view(np.uint8), t.view(np.uint8), err_msg=name)
     assert teaching[3] == fast[3]
     assert not fast[4].any() and not teaching[4].any()             # the gradients zeroed for the next step
 
@@ -73,7 +69,7 @@ def test_bench_layer_prints_a_teaching_and_a_fast_row_per_pass_in_the_simulator(
                                             for d in ("forward", "backward")], p.stdout
     # every version checked against the float64 reference: float32 rounding only
     assert all(float(r[2]) < 1e-6 for r in rows), p.stdout
-    assert "gelu_forward_units_kernel" in p.stdout and "attention_softmax_kernel" in p.stdout
+    assert "gelu_forward_pairs_kernel" in p.stdout and "attention_softmax_kernel" in p.stdout
 
 
 def test_compile_check_covers_every_kernel_of_both_sets():

@@ -1,13 +1,16 @@
 """Compile every GPU kernel for sm_90 without a GPU: Numba -> PTX (libnvvm), then ptxas -> registers and spills.
 
-    python tools/compile_check.py [--only SUBSTRING] [--ptx-dir DIR] [-v]
+    python tools/compile_check.py [--only SUBSTRING] [--ptx-dir DIR] [--dev]
 
 The simulator runs the kernels' Python, not their compiled form: a kernel that only a GPU compiles (warp
 shuffles, launch bounds, syncwarp, the bf16 overloads' typing) can break unseen on a CPU machine. This script
 compiles each fast kernel (llmz/fast/) and each teaching kernel (llmz/kernels/) with the argument types the
 layer functions pass on a GPU, in float32 and bf16 (arrays as CuPy hands them to Numba: C-contiguous; bf16 as
 uint16, paired words as uint32 / uint64), assembles the PTX with ptxas and prints one line a kernel: registers,
-spill bytes, the PTX's size. --ptx-dir writes each PTX with its mangled names numbered, to diff two trees.
+spill bytes, stack frame bytes, the PTX's size. --ptx-dir writes each PTX with its mangled names numbered, to
+diff two trees (a refactor of a kernel's source that leaves its PTX the same changes nothing that runs).
+--dev compiles the candidate versions kept in dev/<layer>.py too (kernels built per width C at each of
+GPT-2's widths).
 Needs the CUDA toolkit (libnvvm, libdevice, ptxas), not a GPU or a driver. Exit status 1 if any fails.
 """
 from __future__ import annotations
@@ -63,18 +66,20 @@ def signatures(bf16: bool) -> dict:
     ln_bwd = (A(v, 2), A(v, 2), A(v, 2), A(v), A(f32), A(f32))
     sigs = {
         # ---- the fast set ----
-        "llmz.fast.gelu:gelu_forward_units_kernel": (A(v), A(v), i64),
-        "llmz.fast.gelu:gelu_backward_units_kernel": (A(v), A(v), A(v), i64, b1),
-        "llmz.fast.residual:residual_forward_units_kernel": (A(v), A(v), A(v), i64),
-        "llmz.fast.residual:residual_backward_units_kernel": (A(v), A(v), A(v), i64),
-        "llmz.fast.column_sum:column_sum_units_kernel": (A(v), A(v), i64, A(f64, 2), A(i32), A(v), i64),
-        "llmz.fast.column_sum:column_sum_units_kernel#layernorm": (A(v), A(v), i64, A(f64, 2), A(i32), A(f32), i64),
+        "llmz.fast.gelu:gelu_forward_pairs_kernel": (A(w), A(w), i64),
+        "llmz.fast.gelu:gelu_backward_pairs_kernel": (A(w), A(w), A(w), i64, b1),
+        "llmz.fast.residual:residual_forward_pairs_kernel": (A(w), A(w), A(w), i64),
+        "llmz.fast.residual:residual_backward_pairs_kernel": (A(w), A(w), A(w), i64),
+        "llmz.fast.layernorm:layernorm_forward_warp_kernel": ln_fwd,
+        "llmz.fast.layernorm:layernorm_forward_warp_loop_kernel": ln_fwd,
+        "llmz.fast.layernorm:layernorm_backward_inp_warp_kernel": ln_bwd,
+        "llmz.fast.layernorm:layernorm_backward_inp_warp_loop_kernel": ln_bwd,
+        "llmz.fast.layernorm:layernorm_backward_params_kernel": (A(v), A(v), A(f64, 2), A(f64, 2), A(i32), A(v, 2),
+                                                                 A(v, 2), A(f32), A(f32), i64),
+        "llmz.fast.column_sum:column_sum_kernel": (A(v), A(f64, 2), A(i32), A(v, 2), i64),
+        "llmz.fast.column_sum:column_sum_pairs_kernel": (A(v), A(f64, 2), A(i32), A(w, 2), i64),
         "llmz.fast.matmul:matmul_bias_fill_kernel": (A(w, 2), A(w)),
-        "llmz.fast.matmul:matmul_bias_fill_units_kernel": (A(v), A(v), i64),
         "llmz.fast.encoder:encoder_backward_wte_bucket_kernel": (A(v, 2), A(v, 2), A(i32)),
-        "llmz.fast.encoder:encoder_forward_units_kernel": (A(v), A(i32), A(v), A(v), i64, i64, i64),
-        "llmz.fast.encoder:encoder_backward_wte_units_kernel": (A(v), A(v), A(i32), i64),
-        "llmz.fast.encoder:encoder_backward_wpe_units_kernel": (A(v), A(v), i64, i64, i64),
         "llmz.fast.classifier:classifier_fused_kernel": (A(f32), A(v, 2), A(i32), f64, i64),
         "llmz.fast.classifier:classifier_loss_kernel": (A(f32), A(v, 2), A(i32), i64),
         "llmz.fast.classifier:classifier_fused_pairs_kernel": (A(f32), A(w, 2), A(i32), f64, i64),
@@ -124,15 +129,9 @@ def signatures(bf16: bool) -> dict:
         "llmz.kernels.norm:clip_scale_kernel": (A(f64), A(f64), f64),
         "llmz.kernels.fill:fill_kernel": (A(v), i64, f64),
     }
-    flat_fwd = (A(v), A(f32), A(f32), A(v), A(v), A(v))
-    for C in WIDTHS:
-        sigs[f"llmz.fast.layernorm:forward_kernel@{C}"] = flat_fwd + (types.none, types.none)
-        sigs[f"llmz.fast.layernorm:forward_kernel@{C}#residual"] = flat_fwd + (A(v), A(v))
-        sigs[f"llmz.fast.layernorm:backward_kernel@{C}"] = (A(v), A(f32), A(v), A(v), A(v), A(f32), A(f32))
     if bf16:
         sigs.update({
-            "llmz.fast.classifier:units_kernel@50304,1024": (A(f32), A(u16), A(i32), f64, i64, b1),
-            "llmz.fast.adamw:adamw_bf16_units_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64,
+            "llmz.fast.adamw:adamw_bf16_pairs_kernel": (A(u32), A(u64), A(u32), A(u64), A(u64), i64, A(f64), f64,
                                                         f64, f64, f64, b1, u64, u64, i64),
             "llmz.kernels.adamw:adamw_bf16_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64, f64,
                                                      f64, f64, b1, u64, u64, i64),
@@ -146,6 +145,36 @@ def signatures(bf16: bool) -> dict:
             "llmz.kernels.adamw:adamw_kernel": (A(f32), A(f32), A(f32), A(f32), i64, A(f64), f64, f64, f64, f64,
                                                 i64),
             "llmz.kernels.accumulate:accumulate_shard_kernel": (A(f32), A(f32), i64, i64, i64),
+        })
+    return sigs
+
+
+def dev_signatures(bf16: bool) -> dict:
+    """The candidate versions kept in dev/<layer>.py (--dev), as their layer functions launch them on a GPU:
+    "dev.module:kernel", or "dev.module:factory@C" for a kernel built per width C (at every GPT-2 width)."""
+    v = value(bf16)
+    flat_fwd = (A(v), A(f32), A(f32), A(v), A(v), A(v))
+    sigs = {
+        "dev.gelu:gelu_forward_units_kernel": (A(v), A(v), i64),
+        "dev.gelu:gelu_backward_units_kernel": (A(v), A(v), A(v), i64, b1),
+        "dev.residual:residual_forward_units_kernel": (A(v), A(v), A(v), i64),
+        "dev.residual:residual_backward_units_kernel": (A(v), A(v), A(v), i64),
+        "dev.column_sum:column_sum_units_kernel": (A(v), A(v), i64, A(f64, 2), A(i32), A(v), i64),
+        "dev.column_sum:column_sum_units_kernel#layernorm": (A(v), A(v), i64, A(f64, 2), A(i32), A(f32), i64),
+        "dev.matmul:matmul_bias_fill_units_kernel": (A(v), A(v), i64),
+        "dev.encoder:encoder_forward_units_kernel": (A(v), A(i32), A(v), A(v), i64, i64, i64),
+        "dev.encoder:encoder_backward_wte_units_kernel": (A(v), A(v), A(i32), i64),
+        "dev.encoder:encoder_backward_wpe_units_kernel": (A(v), A(v), i64, i64, i64),
+    }
+    for C in WIDTHS:
+        sigs[f"dev.layernorm:forward_kernel@{C}"] = flat_fwd + (types.none, types.none)
+        sigs[f"dev.layernorm:forward_kernel@{C}#residual"] = flat_fwd + (A(v), A(v))
+        sigs[f"dev.layernorm:backward_kernel@{C}"] = (A(v), A(f32), A(v), A(v), A(v), A(f32), A(f32))
+    if bf16:
+        sigs.update({
+            "dev.classifier:units_kernel@50304,1024": (A(f32), A(u16), A(i32), f64, i64, b1),
+            "dev.adamw:adamw_bf16_units_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64, f64,
+                                                  f64, f64, b1, u64, u64, i64),
         })
     return sigs
 
@@ -198,10 +227,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/compile_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="kernels whose module:name contains this")
     p.add_argument("--ptx-dir", default=None, help="write each kernel's PTX (names numbered) here")
+    p.add_argument("--dev", action="store_true",
+                   help="also the candidate versions kept in dev/<layer>.py (not yet in llmz/fast/)")
     args = p.parse_args(argv)
     failed = 0
     for bf16 in (False, True):
-        for target, sig in signatures(bf16).items():
+        targets = {**signatures(bf16), **(dev_signatures(bf16) if args.dev else {})}
+        for target, sig in targets.items():
             if args.only not in target:
                 continue
             tag = f"{target.split(':')[1]} ({'bf16' if bf16 else 'fp32'})"
@@ -215,7 +247,8 @@ def main(argv=None) -> int:
                   f"{stats['stack']:>4} bytes stack, PTX {len(ptx):>7} chars   [{target.split(':')[0]}]")
             if args.ptx_dir:
                 os.makedirs(args.ptx_dir, exist_ok=True)
-                with open(os.path.join(args.ptx_dir, f"{tag.replace(' ', '_')}.ptx"), "w") as f:
+                name = f"{target.replace(':', '.')}_({'bf16' if bf16 else 'fp32'}).ptx"     # unique per kernel
+                with open(os.path.join(args.ptx_dir, name), "w") as f:
                     f.write(numbered(ptx))
     print(f"{failed} of the kernels failed to compile" if failed else "every kernel compiled for sm_90")
     return 1 if failed else 0

@@ -9,11 +9,9 @@ there is one, the teaching one otherwise (imported from llmz.kernels below). The
 (`fast if dev.fast else kernels`, --kernels) and calls the same names. The fast set assumes a Device with
 kernels (gpu, or the simulator, which emulates its warp shuffles); cuBLAS needs a GPU.
 
-    device_helpers.py  warp reductions, words of two elements, the loads barrier, launch helpers
-    vectors.py         16-byte units of 8 elements (the memory-bound kernels' loads and stores), ex2/rcp approx
-    column_sum.py      the one-launch deterministic column sums (matmul's bias gradient, layernorm's dweight/dbias)
+    device_helpers.py  warp reductions, words of two elements, four slots a thread, launch helpers
+    column_sum.py      the one-launch deterministic column sums (matmul's bias gradient, layernorm's pieces)
     gemm.py            cuBLAS (TF32 / bf16 tensor cores) through our own ctypes handle
-    cublaslt.py        cuBLASLt with epilogues (bias, GELU, dGELU, bias gradients) on the same kind of handle
     mma.py             tensor cores from Numba: the mma.sync, ldmatrix and cp.async intrinsics (inline PTX)
 """
 # no fast version: the teaching kernels
@@ -24,6 +22,7 @@ from ..kernels import (
     classifier_backward,
     classifier_forward,
     clip_scale,
+    encoder_forward,
     fill,
     from_bf16,
     norm_squared,
@@ -35,7 +34,7 @@ from ..kernels import (
 from .adamw import adamw_update_bf16
 from .attention import attention_backward, attention_forward
 from .classifier import classifier_fused, classifier_loss
-from .encoder import encoder_backward, encoder_forward
+from .encoder import encoder_backward
 from .fill import zero
 from .flash_attention import flash_attention_backward, flash_attention_forward
 from .gelu import gelu_backward, gelu_forward

@@ -1,98 +1,104 @@
-"""AdamW's fast kernel for bf16 training (llm.c's adamw_kernel3). The math, shapes and dtypes are
-llmz/kernels/adamw.py's.
+"""AdamW's fast kernel. The math, shapes and dtypes are llmz/kernels/adamw.py's.
 
-adamw_bf16_units_kernel replaces the teaching adamw_bf16_kernel (one thread per element, the update in
-float64) when every array is a whole number of units starting on 16 bytes (units_fit; else the teaching
-kernel): a thread takes one unit of 8 neighbouring elements (llmz.fast.vectors): the grads' 16 bytes, the
-master's, m's and v's 32 each, all loaded before any math, then the params' 16 bytes and 32 each of master,
-m, v stored: 28 bytes an element. The update in float32, as llm.c and PyTorch's fused AdamW compute it:
-
-    m = beta1 m + (1 - beta1) g,   v = beta2 v + (1 - beta2) g^2          (g = grad * grad_scale)
-    master -= lr (m / bc1 / (sqrt(v / bc2) + eps) + wd master)
-
-with 1 / bc1 and 1 / bc2 computed once a thread (in float64, from the device scalars). In float64 (the
-teaching kernel: three divisions and a square root an element, seven float32 <-> float64 conversions) the
-update cost more than the 28 bytes' time on an H200. Each element keeps its own weight decay (a unit may
-straddle decay_size) and its own random word (hash index offset + element) for the stochastic rounding of
-the bf16 parameter, exactly as the teaching kernel draws it. fp32 training's adamw_update has no fast version
-(llmz.fast re-exports the teaching one).
-Contract: master, m and v within a few float32 ulps of the float64 reference (~1e-7 relative); params the
-teaching rounding of this master (the same random word per element), so equal to the teaching kernel's
-wherever the masters are equal and within one bf16 step elsewhere.
+adamw_bf16_pairs_kernel replaces the teaching adamw_bf16_kernel (one thread per element) when n is even and
+every array starts on a word boundary: words of two neighbouring elements (llmz.fast.device_helpers: a 4-byte
+load per bf16 pair, an 8-byte load per float32 pair), four words per thread, all loads issued before the math.
+Each element keeps its own weight decay (a word may straddle decay_size) and its own random word (hash index
+offset + element), so each element's arithmetic is the teaching kernel's. fp32 training's adamw_update has no
+fast version (llmz.fast re-exports the teaching one).
+Contract: params and master the teaching kernel's bits; m and v the same up to one float32 ulp on a small
+share of elements on the GPU (the compiler contracts the float64 update into fused multiply-adds per kernel,
+and where the float64 value lies on a float32 rounding tie the two kernels may round apart; in the simulator,
+which does not contract, the same bits).
 """
-import math
-
 import numpy as np
 from numba import cuda
 
 from ..bf16 import M32
 from ..kernels import adamw as teaching
-from ..kernels.bf16 import hash_args, round_bf16
-from .device_helpers import loads_barrier
-from .vectors import UNIT, load8_into, pack_bf16x2_bits, store8_from, store16, units_fit
+from ..kernels.adamw import adamw_element
+from ..kernels.bf16 import S16, hash_args, round_bf16
+from .device_helpers import (
+    elementwise_blocks,
+    four_pairs,
+    four_slots,
+    loads_barrier,
+    pairs_apply,
+    store_pair,
+    words,
+)
 
 
+# ---- Numba kernel: four words of two elements per thread --------------------------------------------
+# The arrays are pair_view words: params and grads as uint32 (two bf16), master, m and v as uint64 (two
+# float32); word w holds elements 2w and 2w+1. Thread i takes words i, i+S, i+2S, i+3S (S = the threads of
+# the grid), as llmz.fast.gelu's paired kernels do.
 @cuda.jit(device=True)
-def adamw_element32(p, g, m, v, lr, beta1, beta2, one_m_beta1, one_m_beta2, rbc1, rbc2, eps, wd):
-    """One element's update in float32 (g the scaled gradient, wd this element's weight decay, rbc1 and rbc2
-    the reciprocal bias corrections). Returns (p, m, v)."""
-    m = beta1 * m + one_m_beta1 * g
-    v = beta2 * v + one_m_beta2 * (g * g)
-    return p - lr * ((m * rbc1) / (np.float32(math.sqrt(v * rbc2)) + eps) + wd * p), m, v
+def adamw_bf16_word(params, master, m, v, w, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale, bc1,
+                    bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step):
+    """Word w of the paired views: elements e0 = 2w and e1 = 2w + 1, loaded as (g, p, m, v) 0 and 1. Each
+    element computes as in adamw_bf16_kernel (its own weight decay, its own hash index offset + e). Overwrites
+    word w of params, master, m and v."""
+    e0 = 2 * w
+    e1 = e0 + 1
+    # weight decay per element: a word may straddle decay_size
+    wd0 = weight_decay if e0 < decay_size else 0.0
+    wd1 = weight_decay if e1 < decay_size else 0.0
+    # the fp32 master update, element by element, on the scaled (clipped) gradients
+    q0, n0, u0 = adamw_element(p0, float(g0) * grad_scale, m0, v0, lr, bc1, bc2, beta1, beta2, eps, wd0)
+    q1, n1, u1 = adamw_element(p1, float(g1) * grad_scale, m1, v1, lr, bc1, bc2, beta1, beta2, eps, wd1)
+    store_pair(m, w, n0, n1)
+    store_pair(v, w, u0, u1)
+    r0, r1 = np.float32(q0), np.float32(q1)
+    store_pair(master, w, r0, r1)
+    # the bf16 parameters: each rounded with its own element's random word, packed low half first
+    b0 = round_bf16(r0, stochastic, seed, offset + np.uint64(e0), step)
+    b1 = round_bf16(r1, stochastic, seed, offset + np.uint64(e1), step)
+    params[w] = np.uint32(np.uint64(b0) | (np.uint64(b1) << S16))
 
 
-# ---- Numba kernel: a unit of 8 elements a thread ----------------------------------------------------
 @cuda.jit
-def adamw_bf16_units_kernel(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
-                            stochastic, seed, offset, n_units):
-    """params, grads: (8 n_units,) bf16 bits; master, m, v: (8 n_units,) float32; scalars (5,) float64 [lr,
-    grad_scale, 1 - beta1^t, 1 - beta2^t, step]. Overwrites all but grads."""
-    i = cuda.grid(1)
-    e = UNIT * min(i, n_units - 1)
-    g = cuda.local.array(UNIT, np.float32)
-    p = cuda.local.array(UNIT, np.float32)
-    mm = cuda.local.array(UNIT, np.float32)
-    vv = cuda.local.array(UNIT, np.float32)
-    # the loads first: the step's scalars, then the unit of grads, master, m and v
+def adamw_bf16_pairs_kernel(params, master, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay,
+                            stochastic, seed, offset, n_words):
+    """params, grads: (n_words,) uint32 words of two bf16; master, m, v: (n_words,) uint64 words of two
+    float32 (2 n_words elements); scalars as in adamw_bf16_kernel. Overwrites all but grads, with the same
+    bits as adamw_bf16_kernel."""
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
+    # the loads first: the step's scalars, then four words each of grads, master, m and v (params only stored)
     lr, grad_scale, bc1, bc2, s4 = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
-    load8_into(g, 0, grads, e)
-    load8_into(p, 0, master, e)
-    load8_into(mm, 0, m, e)
-    load8_into(vv, 0, v, e)
+    g0, g1, g2, g3, g4, g5, g6, g7 = four_pairs(grads, j0, j1, j2, j3)
+    p0, p1, p2, p3, p4, p5, p6, p7 = four_pairs(master, j0, j1, j2, j3)
+    m0, m1, m2, m3, m4, m5, m6, m7 = four_pairs(m, j0, j1, j2, j3)
+    v0, v1, v2, v3, v4, v5, v6, v7 = four_pairs(v, j0, j1, j2, j3)
     loads_barrier()
-    if i >= n_units:
-        return
-    # the step's constants in float32
-    lr32, gs, rbc1, rbc2 = np.float32(lr), np.float32(grad_scale), np.float32(1.0 / bc1), np.float32(1.0 / bc2)
-    b1, b2, eps32, wd32 = np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay)
-    omb1, omb2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)     # from float64: 1 - float32(0.95) is 2e-7 off
+    # the rounding's step (device memory: a replayed CUDA graph draws fresh bits)
     step = np.uint64(s4) & M32
-    bits = cuda.local.array(UNIT, np.uint32)
-    for k in range(UNIT):
-        # each element its own weight decay (a unit may straddle decay_size) and its own random word
-        wd = wd32 if e + k < decay_size else np.float32(0.0)
-        p[k], mm[k], vv[k] = adamw_element32(p[k], g[k] * gs, mm[k], vv[k], lr32, b1, b2, omb1, omb2, rbc1,
-                                             rbc2, eps32, wd)
-        bits[k] = round_bf16(p[k], stochastic, seed, offset + np.uint64(e + k), step)
-    store8_from(master, e, p, 0)
-    store8_from(m, e, mm, 0)
-    store8_from(v, e, vv, 0)
-    store16(params, e, pack_bf16x2_bits(bits[0], bits[1]), pack_bf16x2_bits(bits[2], bits[3]),
-            pack_bf16x2_bits(bits[4], bits[5]), pack_bf16x2_bits(bits[6], bits[7]))
+    # the update, the words inside the array
+    if i0 < n_words:
+        adamw_bf16_word(params, master, m, v, i0, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale,
+                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    if i1 < n_words:
+        adamw_bf16_word(params, master, m, v, i1, g2, g3, p2, p3, m2, m3, v2, v3, decay_size, lr, grad_scale,
+                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    if i2 < n_words:
+        adamw_bf16_word(params, master, m, v, i2, g4, g5, p4, p5, m4, m5, v4, v5, decay_size, lr, grad_scale,
+                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    if i3 < n_words:
+        adamw_bf16_word(params, master, m, v, i3, g6, g7, p6, p7, m6, m7, v6, v7, decay_size, lr, grad_scale,
+                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
 
 
 # ---- the layer ---------------------------------------------------------------------------------
 def adamw_update_bf16(dev, params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2, eps,
                       weight_decay, seed, stochastic=True, offset=0) -> None:
     """As llmz.kernels.adamw.adamw_update_bf16 (the arguments, the hash index offset): overwrites params,
-    master, m and v; the unit kernel where units_fit, else the teaching kernel."""
+    master, m and v; the paired kernel where pairs_apply, else the teaching kernel."""
     n = params_u16.size
-    if n == 0 or not units_fit(params_u16, master_f32, grads_u16, m, v):
+    if not pairs_apply(params_u16, master_f32, grads_u16, m, v):
         return teaching.adamw_update_bf16(dev, params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1,
                                           beta2, eps, weight_decay, seed, stochastic, offset)
     seed_u64, _, offset_u64 = hash_args(seed, 0, offset)          # the step comes from scalars[4]
-    n_units = n // UNIT
-    dev.launch(adamw_bf16_units_kernel, -(-n_units // dev.block_size), dev.block_size,
-               params_u16.reshape(-1), master_f32.reshape(-1), grads_u16.reshape(-1), m.reshape(-1), v.reshape(-1),
-               int(decay_size), scalars, float(beta1), float(beta2), float(eps), float(weight_decay),
-               bool(stochastic), seed_u64, offset_u64, n_units)
+    dev.launch(adamw_bf16_pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+               words(params_u16), words(master_f32), words(grads_u16), words(m), words(v), int(decay_size),
+               scalars, float(beta1), float(beta2), float(eps), float(weight_decay), bool(stochastic),
+               seed_u64, offset_u64, n // 2)

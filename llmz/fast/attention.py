@@ -57,17 +57,17 @@ def _tril_pair(a, r, t, w, v0, v1, zero):
     store_pair(a, (r, t, w), v0 if 2 * w <= t else zero, v1 if 2 * w + 1 <= t else zero)
 
 
-@cuda.jit(device=True)
-def _square_row(a):
-    """(r, t, lane, inside): this warp's row of the (R,T,T/2) paired view a, row t of square r (warp_row); inside
-    is False for a warp past the last row (it leaves as a whole warp)."""
-    T = a.shape[1]
-    row, lane = warp_row()
-    r = row // T
-    return r, row - r * T, lane, row < a.shape[0] * T
+# _square_row and _chunk_at are inlined by Numba (inline="always"), before LLVM sees the kernel: the kernels
+# then compile to the PTX of the same lines written out in each (as plain device functions LLVM inlines them
+# later and orders the address arithmetic differently: tools/compile_check.py --ptx-dir shows it).
+@cuda.jit(device=True, inline="always")
+def _square_row(a, row):
+    """(r, t): warp_row's row of the (R,T,T/2) paired view a as row t of square r."""
+    r = row // a.shape[1]
+    return r, row - r * a.shape[1]
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline="always")
 def _chunk_at(a, r, t, w, last, fill):
     """A lane's 8 elements of an iteration: words w, w+32, w+64, w+96 of row a[r, t] (_pair_at each), all four
     loads issued together."""
@@ -78,27 +78,15 @@ def _chunk_at(a, r, t, w, last, fill):
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
-@cuda.jit(device=True)
-def _tril_chunk(a, r, t, w, end, v0, v1, v2, v3, v4, v5, v6, v7, zero):
-    """_tril_pair of the iteration's words w, w+32, w+64, w+96 of row a[r, t], the ones below `end`."""
-    _tril_pair(a, r, t, w, v0, v1, zero)
-    if w + 32 < end:
-        _tril_pair(a, r, t, w + 32, v2, v3, zero)
-    if w + 64 < end:
-        _tril_pair(a, r, t, w + 64, v4, v5, zero)
-    if w + 96 < end:
-        _tril_pair(a, r, t, w + 96, v6, v7, zero)
-
-
 @cuda.jit
 def softmax_rows_pairs_kernel(att, preatt, write_upper):
     # att, preatt: (R,T,T/2) paired views of (R,T,T) rows. One warp per row, lane l taking words l, l+32, ...
     # Overwrites att on and below the diagonal; above it writes +0.0 if write_upper, else leaves it (the
     # caller's att already holds the zeros: a quarter of the kernel's bytes not moved).
-    r, t, lane, inside = _square_row(att)
-    if not inside:
+    row, lane = warp_row()
+    if row >= att.shape[0] * att.shape[1]:
         return
-    W = att.shape[2]
+    r, t = _square_row(att, row)
     # online max and sum over t2 <= t: words w <= t // 2, eight elements per lane per iteration
     m = NINF32
     s = ZERO32
@@ -114,22 +102,26 @@ def softmax_rows_pairs_kernel(att, preatt, write_upper):
     inv = numba.float32(1.0) / s
     # normalise: the loads of the iteration first, then its stores; 0 above the diagonal (the words up to
     # the diagonal's only, unless write_upper)
-    end = W if write_upper else t // 2 + 1
+    end = att.shape[2] if write_upper else t // 2 + 1
     for w in range(lane, end, CHUNK):
         x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_at(preatt, r, t, w, t, NINF32)
-        _tril_chunk(att, r, t, w, end, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, math.exp(x2 - m) * inv,
-                    math.exp(x3 - m) * inv, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv,
-                    math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, ZERO32)
+        _tril_pair(att, r, t, w, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, ZERO32)
+        if w + 32 < end:
+            _tril_pair(att, r, t, w + 32, math.exp(x2 - m) * inv, math.exp(x3 - m) * inv, ZERO32)
+        if w + 64 < end:
+            _tril_pair(att, r, t, w + 64, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv, ZERO32)
+        if w + 96 < end:
+            _tril_pair(att, r, t, w + 96, math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, ZERO32)
 
 
 @cuda.jit
 def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
     # paired views (R,T,T/2), one warp per row as softmax_rows_pairs_kernel. Overwrites dpreatt on and below the
     # diagonal; above it as softmax_rows_pairs_kernel does att.
-    r, t, lane, inside = _square_row(att)
-    if not inside:
+    row, lane = warp_row()
+    if row >= att.shape[0] * att.shape[1]:
         return
-    W = att.shape[2]
+    r, t = _square_row(att, row)
     # sum over t2 <= t of att * datt
     s = ZERO32
     for w in range(lane, t // 2 + 1, CHUNK):
@@ -139,13 +131,17 @@ def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
     total = warp_sum(s)
     # dpreatt = att * (datt - total) on and below the diagonal, 0 above (up to the diagonal's word only,
     # unless write_upper)
-    end = W if write_upper else t // 2 + 1
+    end = att.shape[2] if write_upper else t // 2 + 1
     for w in range(lane, end, CHUNK):
         a0, a1, a2, a3, a4, a5, a6, a7 = _chunk_at(att, r, t, w, t, ZERO32)
         d0, d1, d2, d3, d4, d5, d6, d7 = _chunk_at(datt, r, t, w, t, ZERO32)
-        _tril_chunk(dpreatt, r, t, w, end, a0 * (d0 - total), a1 * (d1 - total), a2 * (d2 - total),
-                    a3 * (d3 - total), a4 * (d4 - total), a5 * (d5 - total), a6 * (d6 - total),
-                    a7 * (d7 - total), ZERO32)
+        _tril_pair(dpreatt, r, t, w, a0 * (d0 - total), a1 * (d1 - total), ZERO32)
+        if w + 32 < end:
+            _tril_pair(dpreatt, r, t, w + 32, a2 * (d2 - total), a3 * (d3 - total), ZERO32)
+        if w + 64 < end:
+            _tril_pair(dpreatt, r, t, w + 64, a4 * (d4 - total), a5 * (d5 - total), ZERO32)
+        if w + 96 < end:
+            _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), ZERO32)
 
 
 # The paired forward again with the row held in registers (T <= 2 * 32 * WORDS_PER_LANE = 1024: d12's T):
@@ -161,9 +157,10 @@ VALUES_PER_LANE = 2 * WORDS_PER_LANE       # the elements of those words
 @cuda.jit
 def softmax_rows_pairs_regs_kernel(att, preatt, write_upper):
     # att, preatt: (R,T,T/2) paired views, T <= 64 * WORDS_PER_LANE. As softmax_rows_pairs_kernel.
-    r, t, lane, inside = _square_row(att)
-    if not inside:
+    row, lane = warp_row()
+    if row >= att.shape[0] * att.shape[1]:
         return
+    r, t = _square_row(att, row)
     # the row on and below the diagonal, all loads in flight at once (-inf past it)
     x = cuda.local.array(VALUES_PER_LANE, numba.float32)
     for k in range(WORDS_PER_LANE):

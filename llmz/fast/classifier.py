@@ -13,40 +13,18 @@ llmz/kernels/classifier.py's; the model's two calls are fused here:
 Paired (float32 and bf16 logits, Vp even, word-aligned): the _pairs kernels read words of two columns with
 half the threads; thread j does the scalar kernel's threads 2j and 2j+1 (their columns are the two halves of
 the same words) and reduces over the same tree.
-Units, the row in registers (bf16 logits, Vp % 8 == 0, on 16 bytes: GPT-2's bf16 runs): units_kernel(Vp,
-threads), built per padded vocabulary, one block of UNITS_THREADS = 1024 per row, each thread holding its
-ceil(Vp / 8 / 1024) units (Vp = 50304: 7 units, 28 words of two bf16) as they were loaded (16-byte loads,
-llmz.fast.vectors), all issued first. The row max and the sum of exp(x - max) come from the registers (each
-thread's max, then its sum against it; exp as ex2.approx), one (max, sum) reduction over the block, and the
-dlogits are written from the same registers: ONE read and one write of the row, where the kernels above read
-it twice (the second time mostly from L2). classifier_loss runs the same kernel without the write.
 Contract: the paired kernels give the scalar kernels' bits at twice their block. Against the teaching
 kernels: losses and dlogits within 2e-6 relative (normwise), both sets lying within 1e-6 of the float64
-reference in float32 (the exponentials are float32 here, float64 there; the sums float64 in both). The
-units kernel: each thread's exponentials summed in float32, the warps' sums in float64; losses within 1e-6
-relative of the float64 reference, bf16 dlogits within one bf16 step of the rounded reference.
+reference in float32 (the exponentials are float32 here, float64 there; the sums float64 in both).
 """
-import functools
 import math
 
 import numba
-import numpy as np
 from numba import cuda
 
-from ..device import ceil_div
 from ..kernels.bf16 import load, store
 from ..kernels.norm import MAX_BLOCK, block_max, block_sum
-from .device_helpers import (
-    WARP,
-    bounded_jit,
-    load_pair,
-    pair_view,
-    pairs_apply,
-    softmax_combine,
-    store_pair,
-    warp_max_sum,
-)
-from .vectors import LOG2E, UNIT, bf16_pair, exp2_approx, load16, pack_bf16x2, store16, units_fit
+from .device_helpers import load_pair, pair_view, pairs_apply, store_pair
 
 # threads per row of the fused and loss kernels on the GPU. ptxas (sm_90) gives the fused kernel 40 registers
 # per thread (float32 and bf16): three blocks of 512 per SM, 75% occupancy (1024 would fit one block per SM:
@@ -55,11 +33,6 @@ from .vectors import LOG2E, UNIT, bf16_pair, exp2_approx, load16, pack_bf16x2, s
 # gives the fused one 59 registers (bf16) / 64 (float32), so four blocks per SM, 1024 threads with four 4- or
 # 8-byte loads each in flight, about 530 rows (~53 MB of bf16) at a time.
 ROW_BLOCK = 512
-# threads per row of the units kernel (bf16): ptxas must fit it in 64 registers a thread (launch bounds
-# 1024 x 1), so one block an SM holds ~112 KB of loads in flight (Vp = 50304)
-UNITS_THREADS = 1024
-NEG_INF = np.float32(-np.inf)
-ZERO32 = np.float32(0.0)
 
 
 # ---- Numba kernels: a block per row, shared memory --------------------------------------------------
@@ -318,96 +291,6 @@ def classifier_fused_pairs_kernel(losses, logits, targets, dloss, V):
         w -= nt
 
 
-# ---- the units kernel: the row in registers (bf16) -------------------------------------------------------
-@cuda.jit(device=True)
-def block_max_sum(m, s, buf_m, buf_s):
-    """Every thread's (max m, sum s of exp(x - m)), float32 -> the row's (max, sum) in float64, in every
-    thread: each warp's butterfly (warp_max_sum), then the warps in order (softmax_combine). buf_m, buf_s:
-    shared (32,) float32 and float64."""
-    m, s = warp_max_sum(m, s)
-    warp = cuda.threadIdx.x // WARP
-    if cuda.threadIdx.x % WARP == 0:
-        buf_m[warp] = m
-        buf_s[warp] = s
-    cuda.syncthreads()
-    mt = buf_m[0]
-    st = buf_s[0]
-    for v in range(1, cuda.blockDim.x // WARP):
-        mt, st = softmax_combine(mt, st, buf_m[v], buf_s[v])
-    return mt, st
-
-
-@functools.cache
-def units_kernel(Vp: int, threads: int):
-    """The classifier kernel for bf16 rows of Vp (% 8 == 0) logits, `threads` a block (a multiple of 32)."""
-    U = Vp // UNIT                      # units in a row
-    UPT = ceil_div(U, threads)          # units a thread holds
-    NW = 4 * UPT                        # their words
-    STEP = UNIT * threads               # columns from one of a thread's units to its next
-
-    @bounded_jit(threads, 1)
-    def classifier_units_kernel(losses, logits, targets, dloss, V, write_dlogits):
-        # logits: (rows*Vp,) bf16 flat; targets, losses: (rows,). One block per row. Overwrites losses, and
-        # with write_dlogits the logits with dlogits = (softmax - onehot(target)) * dloss (0 past V).
-        r = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        base = r * Vp
-        buf_m = cuda.shared.array(32, numba.float32)
-        buf_s = cuda.shared.array(32, numba.float64)
-        w = cuda.local.array(NW, numba.uint32)
-        tgt = targets[r]
-        xt = load(logits, base + tgt)       # the target's logit, before anything is written over the row
-        # unit k of this thread starts at column c = t0 + STEP k: the tests c < V and c == target become
-        # STEP k + j < lim and STEP k + j == tl, a constant against one number each
-        t0 = UNIT * t
-        lim = V - t0
-        tl = tgt - t0
-        e0 = base + t0
-        # the row's units, all loads first (the last unit of a thread past the row: unit U-1, never used)
-        for k in range(UPT):
-            e = e0 + STEP * k if k < UPT - 1 else base + UNIT * min(t + threads * k, U - 1)
-            w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3] = load16(logits, e)
-        # this thread's max, then its sum of exp(x - max), over its columns < V
-        m = NEG_INF
-        for k in range(UPT):
-            for i in range(4):
-                lo, hi = bf16_pair(w[4 * k + i])
-                if STEP * k + 2 * i < lim:
-                    m = max(m, lo)
-                if STEP * k + 2 * i + 1 < lim:
-                    m = max(m, hi)
-        s = ZERO32
-        base2 = m * LOG2E
-        for k in range(UPT):
-            for i in range(4):
-                lo, hi = bf16_pair(w[4 * k + i])
-                if STEP * k + 2 * i < lim:
-                    s += exp2_approx(lo * LOG2E - base2)
-                if STEP * k + 2 * i + 1 < lim:
-                    s += exp2_approx(hi * LOG2E - base2)
-        # the row's max and sum (float64)
-        mx, total = block_max_sum(m, numba.float64(s), buf_m, buf_s)
-        if t == 0:
-            losses[r] = math.log(total) - (xt - mx)
-        if not write_dlogits:
-            return
-        # dlogits = (exp(x - max) / sum - onehot) * dloss from the registers; 0 on the padded columns
-        scale = numba.float32(dloss / total)
-        mxl = numba.float32(mx) * LOG2E
-        dl = numba.float32(dloss)
-        for k in range(UPT):
-            if t + threads * k < U:
-                for i in range(4):
-                    lo, hi = bf16_pair(w[4 * k + i])
-                    c = STEP * k + 2 * i
-                    d0 = exp2_approx(lo * LOG2E - mxl) * scale - (dl if c == tl else ZERO32) if c < lim else ZERO32
-                    d1 = exp2_approx(hi * LOG2E - mxl) * scale - (dl if c + 1 == tl else ZERO32) \
-                        if c + 1 < lim else ZERO32
-                    w[4 * k + i] = pack_bf16x2(d0, d1)
-                store16(logits, e0 + STEP * k, w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3])
-    return classifier_units_kernel
-
-
 # ---- the layer ---------------------------------------------------------------------------------
 def row_block(dev) -> int:
     """Threads per row (one block) of the fused and loss kernels: ROW_BLOCK on the GPU, dev.block_size in the
@@ -421,32 +304,12 @@ def row_pairs_apply(x) -> bool:
     return x.shape[-1] % 2 == 0 and pairs_apply(x)
 
 
-def units_threads(dev) -> int:
-    """Threads per row of the units kernel: UNITS_THREADS on the GPU, dev.block_size in the simulator."""
-    return dev.block_size if dev.kind == "sim" else UNITS_THREADS
-
-
-def row_units_apply(x) -> bool:
-    """The units kernel applies to the (rows, Vp) logits x: bf16, Vp % 8 == 0, on 16 bytes."""
-    return x.dtype == np.uint16 and x.shape[-1] % UNIT == 0 and units_fit(x)
-
-
-def classifier_units(dev, losses, x, targets, dloss, vocab_size, write_dlogits) -> None:
-    """The units kernel over the (rows, Vp) bf16 logits x (row_units_apply)."""
-    rows, Vp = x.shape
-    nt = units_threads(dev)
-    dev.launch(units_kernel(Vp, nt), rows, nt, losses.reshape(-1), x.reshape(-1), targets.reshape(-1),
-               float(dloss), vocab_size, write_dlogits)
-
-
 def classifier_fused(dev, losses, logits, targets, dloss, vocab_size) -> None:
     """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T); dloss: float. Overwrites losses, and logits
     with dlogits = (softmax - onehot(target)) * dloss (in place)."""
     Vp = logits.shape[-1]
     rows = logits.size // Vp
     x = logits.reshape(rows, Vp)
-    if row_units_apply(x):
-        return classifier_units(dev, losses, x, targets, dloss, vocab_size, True)
     if row_pairs_apply(x):
         dev.launch(classifier_fused_pairs_kernel, rows, row_block(dev) // 2, losses.reshape(-1), pair_view(x),
                    targets.reshape(-1), float(dloss), vocab_size)
@@ -460,8 +323,6 @@ def classifier_loss(dev, losses, logits, targets, vocab_size) -> None:
     Vp = logits.shape[-1]
     rows = logits.size // Vp
     x = logits.reshape(rows, Vp)
-    if row_units_apply(x):
-        return classifier_units(dev, losses, x, targets, 0.0, vocab_size, False)
     if row_pairs_apply(x):
         dev.launch(classifier_loss_pairs_kernel, rows, row_block(dev) // 2, losses.reshape(-1), pair_view(x),
                    targets.reshape(-1), vocab_size)

@@ -1,63 +1,171 @@
 """The one-launch column sums: out (C,) += x (N,C) summed over the N rows, deterministic and parallel. They
 replace llmz/kernels/matmul.py's matmul_backward_bias_kernel (one thread per column looping over all N rows:
-only C threads, each N dependent adds) as matmul's bias gradient, and add layernorm's per-team partial sums
-into dweight and dbias (llmz.fast.layernorm). Contract: the same float64 sum in another fixed order, rounded
-once into out: within one rounding of the teaching kernel's result (float32: an ulp; bf16: a bf16 step).
+only C threads, each N dependent adds) as matmul's bias gradient; layernorm's dweight/dbias (llmz.fast.layernorm)
+is built from the same pieces. Contract: the same float64 sum in another fixed order, rounded once into out:
+within one rounding of the teaching kernel's result (float32: an ulp; bf16: a bf16 step).
 
-x is float32 or bf16 (uint16 bits) with C % 8 == 0, read in units of 8 columns (llmz.fast.vectors: 16-byte
-loads); other x take the teaching kernel.
-
-  stage 1  grid (ceil(C/256), R): block (x, y) takes a strip of STRIP_UNITS = 32 units (256 columns) and a
-           chunk of rows_per_block rows; threads (32 units) x (LANES): a warp reads 512 (bf16) or 1024
-           (float32) contiguous bytes of a row, lane y takes rows y, y+LANES, ... of the chunk, ROW_BATCH = 4
-           rows loaded before they are added. Each thread sums its 8 columns in float64, the lanes are added
-           in lane order and the block writes partial[y, its columns] (float64 (R, C) scratch).
+  stage 1  grid (ceil(C/32), R): block (x, y) takes a strip of COLSUM_STRIP = 32 columns and a chunk of
+           rows_per_block rows, R = ceil(N / rows_per_block); threads (32 columns) x (lanes): threadIdx.x is the
+           column (a warp reads 32 consecutive elements of a row), lane y takes rows y, y+lanes, ... of the
+           chunk, ROW_LOADS = 8 loads in flight (sum_rows). Each thread sums in float64, the lanes are added
+           in lane order and the block writes partial[y, 32x:32x+32] (float64 (R, C) scratch).
   stage 2  in the block that finishes its strip last (last_in_strip: each block counts itself on an int32
            counter per strip; the one that counts R reads the strip's partials and resets the counter, CUDA's
-           threadFenceReduction sample): lane y sums partial rows y, y+LANES, ... in order, the lanes in lane
+           threadFenceReduction sample): lane y sums partial rows y, y+lanes, ... in order, the lanes in lane
            order, and the sum goes into out[c]. Which block that is changes from run to run; what it adds, and
-           in which order, does not (the order depends only on N, C, rows_per_block and LANES).
-The geometry (colsum_geometry): at most MAX_CHUNKS = 32 chunks of at least MIN_CHUNK_ROWS = 64 rows, so that
-stage 2 reads at most 32 partials a column. (N = 8192, C = 6400, d48's fc bias: 25 strips x 32 chunks = 800
-blocks of 256 threads, 256 rows each, 8 batches of 4 a thread.)
+           in which order, does not (the order depends only on N, C, rows_per_block and lanes).
+Paired (float32 and bf16 x, C even, contiguous and word-aligned: pairs_fit): column_sum_pairs_kernel reads x
+as llmz.fast.device_helpers' words of two neighbouring columns, strips of 64 columns, each column added as
+column_sum_kernel adds it: the same bits as column_sum_kernel. x and out may be float32, float64 or uint16
+(bf16 bits, through llmz.kernels.bf16's load / store_add); the partial sums are float64.
 """
 import numba
 import numpy as np
 from numba import cuda
 
 from ..device import ceil_div
-from ..kernels.bf16 import store_add
-from ..kernels.matmul import matmul_backward_bias_kernel
-from .device_helpers import loads_barrier
-from .vectors import UNIT, load8, units_fit
+from ..kernels.bf16 import load, store_add
+from .device_helpers import address, bounded_jit, load_pair, pair_view
 
-STRIP_UNITS = 32                # units per stage-1 block (threadIdx.x)
-LANES, LANES_SIM = 8, 2         # threadIdx.y on the GPU; in the simulator (each thread a Python thread)
-ROW_BATCH = 4                   # rows a thread loads before adding them
-BATCH_VALUES = ROW_BATCH * UNIT  # the values of those rows a thread holds
-MAX_CHUNKS = 32                 # row chunks (stage-1 blocks a strip) at most
-MIN_CHUNK_ROWS = 64             # rows a chunk at least (unless N is smaller)
+# columns per stage-1 block: one warp reads 32 consecutive columns of a row
+COLSUM_STRIP = 32
+# columns per stage-1 block of the paired kernels: one warp reads 32 words, 64 consecutive columns, of a row
+COLSUM_PAIR_STRIP = 2 * COLSUM_STRIP
+# rows per stage-1 block and lanes (threadIdx.y) per block: on the GPU 256 rows, 32 x 8 = 256 threads; the
+# simulator runs each thread as a Python thread, so there: chunks of 8 rows, 32 x 4 threads.
+# The numbers, for the bias gradients (N = B*T = 16384 rows, C = 768, 2304 or 3072) on the H200 (132 SMs,
+# 2048 threads = 8 such blocks each, 1056 blocks resident at once):
+#   stage 1  R = 16384/256 = 64 chunks: 1536, 4608, 6144 blocks (1.5 to 6 waves of 1056); each thread sums
+#            256/8 = 32 rows, 4 trips of 8 loads in flight
+#   stage 2  64 partials per column over 8 lanes: 8 per lane, one trip of 8 loads, then 8 lane adds, in 24,
+#            72 or 96 blocks (the last of each strip); the partials (64 x C float64: 0.4 to 1.6 MB, in L2)
+#            cost 3% of stage 1's bf16 reads
+# Fewer rows per block would mean more partials (stage 2 and the scratch grow); more rows per block, fewer
+# blocks than 2 waves at C=768. layernorm's parameter gradients use the same geometry.
+COLSUM_ROWS, COLSUM_LANES = 256, 8
+COLSUM_ROWS_SIM, COLSUM_LANES_SIM = 8, 4
+# the most lanes the shared buffer of strip_partial holds (32 x 32 = 1024 threads)
+MAX_LANES = 32
+# the paired kernels' launch bounds on the GPU: blocks of at most 32 x COLSUM_LANES = 256 threads, PAIRS_BLOCKS_PER_SM
+# resident per SM. Without them ptxas (sm_90) fits column_sum_pairs_kernel in 32 registers (8 blocks an SM) by
+# interleaving the loads of sum_rows_pair with their adds (4 loads issued, then one per add); with 6 blocks
+# an SM it takes 40 and issues all eight loads first. (At C=768 the paired grid is 12 x 64 = 768 blocks, under
+# 6 per SM anyway.)
+PAIRS_THREADS, PAIRS_BLOCKS_PER_SM = COLSUM_STRIP * COLSUM_LANES, 6
 
 
-# ---- the pieces of a two-stage kernel ------------------------------------------------------------------
-def colsum_geometry(dev, N: int, C: int, rows_per_block: int | None = None):
-    """The launch for N rows and C columns: (grid, block, R, rows_per_block); the partial-sum scratch is (R, C)
-    float64, the counters (grid[0],) int32. R >= 1, so N = 0 gives one block of zero sums."""
-    lanes = LANES_SIM if dev.kind == "sim" else LANES
-    if rows_per_block is None:
-        chunks = max(1, min(MAX_CHUNKS, ceil_div(N, MIN_CHUNK_ROWS)))
-        rows_per_block = max(1, ceil_div(ceil_div(N, chunks), lanes) * lanes)
-    R = max(1, ceil_div(N, rows_per_block))
-    return (ceil_div(C // UNIT, STRIP_UNITS), R), (STRIP_UNITS, lanes), R, rows_per_block
+# the loads a thread issues together in sum_rows (written out as x0..x7 there): 8 bf16 loads of 2 bytes per
+# thread, 2048 threads per SM, 32 KB in flight per SM (about 4 TB/s at ~1 us loaded latency, 132 SMs)
+ROW_LOADS = 8
+
+
+# ---- the pieces a two-stage kernel is built from ----------------------------------------------------
+def colsum_geometry(dev, N: int, C: int, rows_per_block: int | None = None, pairs: bool = False):
+    """The launch for N rows and C columns: (grid, block, R, rows_per_block); the partial-sum scratch is
+    (R, C) float64, the counters (grid[0],) int32. R >= 1, so N = 0 gives one block of zero sums. pairs: the
+    paired kernels' launch, strips of COLSUM_PAIR_STRIP = 64 columns (32 words), the same block, R and rows."""
+    sim = dev.kind == "sim"
+    rows = rows_per_block or (COLSUM_ROWS_SIM if sim else COLSUM_ROWS)
+    lanes = COLSUM_LANES_SIM if sim else COLSUM_LANES
+    R = max(1, ceil_div(N, rows))
+    strip = COLSUM_PAIR_STRIP if pairs else COLSUM_STRIP
+    return (ceil_div(C, strip), R), (COLSUM_STRIP, lanes), R, rows
+
+
+def pairs_fit(*xs) -> bool:
+    """The paired kernels apply to these (rows, C) arrays: each float32 or bf16 (uint16), C even, C-contiguous,
+    starting on a word boundary (so every row does: C is even)."""
+    return all(
+        x.ndim == 2 and x.shape[1] % 2 == 0 and x.shape[1] > 0 and x.dtype in (np.float32, np.uint16)
+        and x.flags.c_contiguous and address(x) % (2 * x.itemsize) == 0 for x in xs)
+
+
+@cuda.jit(device=True)
+def stage_rows(N, rows_per_block):
+    """In a stage-1 block: (c, first, end, step), this thread's column and its rows range(first, end, step)
+    of the block's chunk. The caller checks c < C."""
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    row0 = cuda.blockIdx.y * rows_per_block
+    return c, row0 + cuda.threadIdx.y, min(row0 + rows_per_block, N), cuda.blockDim.y
+
+
+@cuda.jit(device=True, inline="always")
+def add_in_order(acc, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc + x0 + x1 + ... + x7, added one at a time in that order (float64). Inlined by Numba
+    (inline="always"): the kernels compile to the PTX of the adds written out in place."""
+    acc += x0
+    acc += x1
+    acc += x2
+    acc += x3
+    acc += x4
+    acc += x5
+    acc += x6
+    acc += x7
+    return acc
+
+
+@cuda.jit(device=True)
+def sum_rows(x, c, first, end, step):
+    """The float64 sum of x[first:end:step, c] (x: (rows, C), any storage), added in row order. The loads go
+    ROW_LOADS = 8 at a time, all eight issued before their adds: the order of the adds, and so the bits, are
+    those of a plain loop over the rows. c must be a column of x: the kernels call it outside any branch (a
+    column past the end sums column C-1 and drops the sum); inside an `if`, ptxas interleaves the adds with
+    the loads."""
+    acc = np.float64(0.0)
+    row = first
+    # eight rows at a time: the eight loads, independent, then the eight adds in row order
+    while row + 7 * step < end:
+        x0 = load(x, (row, c))
+        x1 = load(x, (row + step, c))
+        x2 = load(x, (row + 2 * step, c))
+        x3 = load(x, (row + 3 * step, c))
+        x4 = load(x, (row + 4 * step, c))
+        x5 = load(x, (row + 5 * step, c))
+        x6 = load(x, (row + 6 * step, c))
+        x7 = load(x, (row + 7 * step, c))
+        acc = add_in_order(acc, x0, x1, x2, x3, x4, x5, x6, x7)
+        row += 8 * step
+    # the last rows (fewer than eight), one at a time
+    while row < end:
+        acc += load(x, (row, c))
+        row += step
+    return acc
+
+
+@cuda.jit(device=True)
+def lanes_in_order(buf, acc):
+    """Every thread of a (32 columns) x (lanes) block calls this with its float64 `acc`. Returns, in lane 0,
+    the sum of its column's lanes in lane order (0 in the other lanes). buf: shared (MAX_LANES,
+    COLSUM_STRIP) float64, free for reuse on return."""
+    tx = cuda.threadIdx.x
+    buf[cuda.threadIdx.y, tx] = acc
+    cuda.syncthreads()
+    # lane 0 adds the lanes in order
+    s = np.float64(0.0)
+    if cuda.threadIdx.y == 0:
+        for lane in range(cuda.blockDim.y):
+            s += buf[lane, tx]
+    cuda.syncthreads()                  # everyone is done with buf before it is reused
+    return s
+
+
+@cuda.jit(device=True)
+def strip_partial(buf, acc, partial, c):
+    """Every thread of a stage-1 block calls this with `acc`, its float64 sum over its rows of column c
+    (any value where c is out of range: not written). Overwrites partial[blockIdx.y, c] with the sum of the block's lanes, in
+    lane order. buf: shared (MAX_LANES, COLSUM_STRIP) float64, free for reuse on return."""
+    s = lanes_in_order(buf, acc)
+    if cuda.threadIdx.y == 0 and c < partial.shape[1]:
+        partial[cuda.blockIdx.y, c] = s
 
 
 @cuda.jit(device=True)
 def last_in_strip(flag, counters):
-    """Every thread of a stage-1 block calls this right after the block's lane-0 threads wrote its partial
-    sums. Counts the block on counters[blockIdx.x] (int32, 0 before the strip's first block counts) and
-    returns, in every thread, whether this block is the strip's last of gridDim.y to count; that block resets
-    the counter to 0 (the next launch, or the next replay of a CUDA graph, starts from 0), and its threads
-    then see every block's partial sums of the strip. flag: shared (1,) int32."""
+    """Every thread of a stage-1 block calls this right after strip_partial (its lane-0 threads wrote the
+    block's partial sums). Counts the block on counters[blockIdx.x] (int32, 0 before the strip's first block
+    counts) and returns, in every thread, whether this block is the strip's last of gridDim.y to count; that
+    block resets the counter to 0 (the next launch, or the next replay of a CUDA graph, starts from 0), and
+    its threads then see every block's partial sums of the strip. flag: shared (1,) int32."""
     # release: the writers fence their partial sums before the block is counted (fence, barrier, count)
     if cuda.threadIdx.y == 0:
         cuda.threadfence()
@@ -69,7 +177,9 @@ def last_in_strip(flag, counters):
             counters[cuda.blockIdx.x] = 0
             # acquire: this fence, after the count that saw the other blocks' counts and before the barrier
             # that passes the answer on, makes the block's reads see the partials those blocks wrote before
-            # their fence and count (in hardware it also drops stale L1 lines of a neighbouring strip's)
+            # their fence and count (in hardware it also drops stale L1 lines: a last block of the
+            # neighbouring strip that ran on this SM may have read a 128-byte line this strip shares, when
+            # C is not a multiple of 16)
             cuda.threadfence()
         flag[0] = 1 if last else 0
     cuda.syncthreads()
@@ -77,106 +187,189 @@ def last_in_strip(flag, counters):
 
 
 @cuda.jit(device=True)
-def lanes_in_order8(buf, acc):
-    """Every thread of a (32 units) x (lanes) block calls this with its 8 float64 sums `acc` (a local array,
-    overwritten): afterwards acc holds, in lane 0, the sums of its unit's lanes in lane order. buf: shared
-    (LANES, UNIT, STRIP_UNITS) float64, free for reuse on return."""
-    tx, y = cuda.threadIdx.x, cuda.threadIdx.y
-    for j in range(UNIT):
-        buf[y, j, tx] = acc[j]
-    cuda.syncthreads()
-    if y == 0:
-        for j in range(UNIT):
-            s = numba.float64(0.0)
-            for lane in range(cuda.blockDim.y):
-                s += buf[lane, j, tx]
-            acc[j] = s
-    cuda.syncthreads()                  # everyone is done with buf before it is reused
+def column_total(buf, partial, c):
+    """Stage 2 in a (32 columns) x (lanes) block: returns, in lane 0, the float64 sum of partial[0:R, c], lane
+    y adding rows y, y+lanes, ... in order, then the lanes in order (any value where c is out of range: the
+    caller drops it; the whole block must call this). buf as in lanes_in_order."""
+    R, C = partial.shape
+    # this lane's partials (a column past the end sums column C-1, so every thread runs sum_rows unbranched)
+    acc = sum_rows(partial, min(c, C - 1), cuda.threadIdx.y, R, cuda.blockDim.y)
+    return lanes_in_order(buf, acc)
 
 
-# ---- Numba kernel --------------------------------------------------------------------------------------
-@cuda.jit
-def column_sum_units_kernel(out_lo, out_hi, split, partial, counters, x, rows_per_block):
-    """x: (N*C,) flat float32 or bf16, C % 8 == 0; partial: (R, C) float64 scratch; counters: (ceil(C/256),)
-    int32, zero (and left zero); out_lo (split,), out_hi (C - split,): column c < split goes to out_lo[c], the
-    others to out_hi[c - split] (empty when split = C). Grid (ceil(C/256), R), block (32, lanes).
-    Overwrites partial[blockIdx.y, columns of this strip]; the strip's last block accumulates (+=) the sums."""
-    C = partial.shape[1]
-    U = C // UNIT
-    N = x.shape[0] // C
-    tx, y, lanes = cuda.threadIdx.x, cuda.threadIdx.y, cuda.blockDim.y
-    buf = cuda.shared.array((LANES, UNIT, STRIP_UNITS), numba.float64)
-    flag = cuda.shared.array(1, numba.int32)
-    acc = cuda.local.array(UNIT, numba.float64)
-    v = cuda.local.array(BATCH_VALUES, numba.float32)
-    u = cuda.blockIdx.x * STRIP_UNITS + tx
-    c = UNIT * min(u, U - 1)            # a unit past the end sums unit U-1 and drops it
-    for j in range(UNIT):
-        acc[j] = 0.0
-    # stage 1: this thread's rows of the chunk, ROW_BATCH at a time (loads first), each column in row order
-    row = cuda.blockIdx.y * rows_per_block + y
-    end = min((cuda.blockIdx.y + 1) * rows_per_block, N)
-    while row + (ROW_BATCH - 1) * lanes < end:
-        for b in range(ROW_BATCH):
-            e = (row + b * lanes) * C + c
-            v[8 * b], v[8 * b + 1], v[8 * b + 2], v[8 * b + 3], v[8 * b + 4], v[8 * b + 5], v[8 * b + 6], \
-                v[8 * b + 7] = load8(x, e)
-        loads_barrier()
-        for b in range(ROW_BATCH):
-            for j in range(UNIT):
-                acc[j] += v[8 * b + j]
-        row += ROW_BATCH * lanes
+# ---- the paired pieces: a thread takes word w, columns 2w and 2w+1 ------------------------------------
+# The paired row loops index with unsigned integers: with signed ones Numba adds a negative-index test to
+# every index and ptxas (sm_90) then interleaves each load with its add, one or two loads in flight a thread
+# (column_sum_kernel's sum_rows compiles that way); unsigned, the eight loads go out together.
+U1, U2, U3, U4, U5, U6, U7, U8 = (np.uint64(k) for k in range(1, 9))
+
+
+@cuda.jit(device=True)
+def sum_rows_pair(x, w, first, end, step):
+    """(s0, s1), the float64 sums of columns 2w and 2w+1 over rows range(first, end, step) of the words x
+    (rows, C/2) (pair_view of float32 or bf16), each added in row order as sum_rows adds one column: the
+    same bits. The word loads go ROW_LOADS = 8 at a time, all eight before their adds. w must be a word of x
+    (called outside any branch, as sum_rows); first, end, step >= 0."""
+    w = np.uint64(w)
+    row = np.uint64(first)
+    end = np.uint64(end)
+    step = np.uint64(step)
+    a0 = np.float64(0.0)
+    a1 = np.float64(0.0)
+    # eight rows at a time: the eight word loads, independent, then each column's eight adds in row order
+    while row + U7 * step < end:
+        u0, v0 = load_pair(x, (row, w))
+        u1, v1 = load_pair(x, (row + step, w))
+        u2, v2 = load_pair(x, (row + U2 * step, w))
+        u3, v3 = load_pair(x, (row + U3 * step, w))
+        u4, v4 = load_pair(x, (row + U4 * step, w))
+        u5, v5 = load_pair(x, (row + U5 * step, w))
+        u6, v6 = load_pair(x, (row + U6 * step, w))
+        u7, v7 = load_pair(x, (row + U7 * step, w))
+        a0 = add_in_order(a0, u0, u1, u2, u3, u4, u5, u6, u7)
+        a1 = add_in_order(a1, v0, v1, v2, v3, v4, v5, v6, v7)
+        row += U8 * step
+    # the last rows (fewer than eight), one at a time
     while row < end:
-        v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7] = load8(x, row * C + c)
-        for j in range(UNIT):
-            acc[j] += v[j]
-        row += lanes
-    # the block's lanes in order, written as the chunk's partial sums
-    lanes_in_order8(buf, acc)
-    if y == 0 and u < U:
-        for j in range(UNIT):
-            partial[cuda.blockIdx.y, c + j] = acc[j]
-    # stage 2, in the strip's last block only: the R partials, lane y rows y, y+lanes, ..., then the lanes
+        u, v = load_pair(x, (row, w))
+        a0 += u
+        a1 += v
+        row += step
+    return a0, a1
+
+
+@cuda.jit(device=True)
+def sum_rows_two(x, c0, c1, first, end, step):
+    """(s0, s1): sum_rows of columns c0 and c1 of x (any storage) over the same rows, both in row order (the
+    same bits as two sum_rows calls), the 16 loads of eight rows issued before their adds (unsigned indices,
+    as sum_rows_pair)."""
+    c0 = np.uint64(c0)
+    c1 = np.uint64(c1)
+    row = np.uint64(first)
+    end = np.uint64(end)
+    step = np.uint64(step)
+    a0 = np.float64(0.0)
+    a1 = np.float64(0.0)
+    while row + U7 * step < end:
+        r1, r2, r3, r4 = row + step, row + U2 * step, row + U3 * step, row + U4 * step
+        r5, r6, r7 = row + U5 * step, row + U6 * step, row + U7 * step
+        u0, v0 = load(x, (row, c0)), load(x, (row, c1))
+        u1, v1 = load(x, (r1, c0)), load(x, (r1, c1))
+        u2, v2 = load(x, (r2, c0)), load(x, (r2, c1))
+        u3, v3 = load(x, (r3, c0)), load(x, (r3, c1))
+        u4, v4 = load(x, (r4, c0)), load(x, (r4, c1))
+        u5, v5 = load(x, (r5, c0)), load(x, (r5, c1))
+        u6, v6 = load(x, (r6, c0)), load(x, (r6, c1))
+        u7, v7 = load(x, (r7, c0)), load(x, (r7, c1))
+        a0 = add_in_order(a0, u0, u1, u2, u3, u4, u5, u6, u7)
+        a1 = add_in_order(a1, v0, v1, v2, v3, v4, v5, v6, v7)
+        row += U8 * step
+    while row < end:
+        a0 += load(x, (row, c0))
+        a1 += load(x, (row, c1))
+        row += step
+    return a0, a1
+
+
+@cuda.jit(device=True)
+def lanes_in_order_pair(buf, a0, a1):
+    """lanes_in_order for a thread's two columns: returns, in lane 0, (s0, s1), each the sum of its column's
+    lanes in lane order (0 in the other lanes). buf: shared (MAX_LANES, COLSUM_PAIR_STRIP) float64 (a0 at
+    [lane, tx], a1 at [lane, 32 + tx]), free for reuse on return."""
+    tx = cuda.threadIdx.x
+    buf[cuda.threadIdx.y, tx] = a0
+    buf[cuda.threadIdx.y, COLSUM_STRIP + tx] = a1
+    cuda.syncthreads()
+    # lane 0 adds the lanes in order, each column on its own
+    s0 = np.float64(0.0)
+    s1 = np.float64(0.0)
+    if cuda.threadIdx.y == 0:
+        for lane in range(cuda.blockDim.y):
+            s0 += buf[lane, tx]
+            s1 += buf[lane, COLSUM_STRIP + tx]
+    cuda.syncthreads()                  # everyone is done with buf before it is reused
+    return s0, s1
+
+
+@cuda.jit(device=True)
+def strip_partial_pair(buf, a0, a1, partial, c):
+    """strip_partial for columns c and c+1 (c even, C even): overwrites partial[blockIdx.y, c] and [.., c+1]
+    with the sums of the block's lanes, in lane order (not written where c >= C). buf as in
+    lanes_in_order_pair."""
+    s0, s1 = lanes_in_order_pair(buf, a0, a1)
+    if cuda.threadIdx.y == 0 and c < partial.shape[1]:
+        partial[cuda.blockIdx.y, c] = s0
+        partial[cuda.blockIdx.y, c + 1] = s1
+
+
+@cuda.jit(device=True)
+def column_total_pair(buf, partial, c):
+    """column_total for columns c and c+1 (c even, C even): returns, in lane 0, (s0, s1), each the float64 sum
+    of its column's R partials in column_total's order (the same bits). The whole block must call it."""
+    R, C = partial.shape
+    c = min(c, C - 2)
+    a0, a1 = sum_rows_two(partial, c, c + 1, cuda.threadIdx.y, R, cuda.blockDim.y)
+    return lanes_in_order_pair(buf, a0, a1)
+
+
+# ---- Numba kernels ------------------------------------------------------------------------------
+@cuda.jit
+def column_sum_kernel(out, partial, counters, x, rows_per_block):
+    """out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and left zero);
+    x: (N,C). Grid (ceil(C/32), R), block (32, lanes). Overwrites partial[blockIdx.y, columns of this strip];
+    the last block of each strip accumulates (+=) the strip's sums into out."""
+    N, C = x.shape
+    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
+    flag = cuda.shared.array(1, numba.int32)
+    c, first, end, step = stage_rows(N, rows_per_block)
+    # stage 1: this thread's rows of the chunk, in order, in float64 (a column past the end sums column C-1,
+    # so the whole warp goes through sum_rows; strip_partial drops it), then the block's lanes in order
+    acc = sum_rows(x, min(c, C - 1), first, end, step)
+    strip_partial(buf, acc, partial, c)
+    # stage 2, in the strip's last block only: the column's partials, lane by lane in order; lane 0 writes out[c]
     if not last_in_strip(flag, counters):
         return
-    for j in range(UNIT):
-        acc[j] = 0.0
-    for r in range(y, partial.shape[0], lanes):
-        for j in range(UNIT):
-            acc[j] += partial[r, c + j]
-    lanes_in_order8(buf, acc)
-    if y == 0 and u < U:
-        for j in range(UNIT):
-            if c + j < split:
-                store_add(out_lo, c + j, acc[j])
-            else:
-                store_add(out_hi, c + j - split, acc[j])
+    s = column_total(buf, partial, c)
+    if cuda.threadIdx.y == 0 and c < C:
+        store_add(out, c, s)
+
+
+@bounded_jit(PAIRS_THREADS, PAIRS_BLOCKS_PER_SM)
+def column_sum_pairs_kernel(out, partial, counters, x, rows_per_block):
+    """column_sum_kernel on words: x: (N, C/2) pair_view words of an (N,C) float32 or bf16 array, C even;
+    out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/64),) int32, zero (and left zero). Grid
+    (ceil(C/64), R), block (32, lanes): thread (tx, y) of block (x, y) takes word 32x + tx, columns 64x + 2tx
+    and +1. Overwrites partial[blockIdx.y, columns of this strip]; the strip's last block accumulates (+=) the
+    sums into out. Every column's adds are column_sum_kernel's: the same bits."""
+    N, W = x.shape
+    C = 2 * W
+    buf = cuda.shared.array((MAX_LANES, COLSUM_PAIR_STRIP), numba.float64)
+    flag = cuda.shared.array(1, numba.int32)
+    w, first, end, step = stage_rows(N, rows_per_block)
+    c = 2 * w
+    # stage 1: this thread's rows of the chunk, both columns in order, in float64 (a word past the end sums
+    # word W-1, dropped by strip_partial_pair), then the block's lanes in order
+    a0, a1 = sum_rows_pair(x, min(w, W - 1), first, end, step)
+    strip_partial_pair(buf, a0, a1, partial, c)
+    # stage 2, in the strip's last block only: each column's partials, lane by lane in order
+    if not last_in_strip(flag, counters):
+        return
+    s0, s1 = column_total_pair(buf, partial, c)
+    if cuda.threadIdx.y == 0 and c < C:
+        store_add(out, c, s0)
+        store_add(out, c + 1, s1)
 
 
 # ---- the layer ---------------------------------------------------------------------------------
-def column_sum_into(dev, out_lo, out_hi, x, rows_per_block: int | None = None) -> None:
-    """x: (N, C) float32 or bf16, C % 8 == 0, units_fit; out_lo: (S,), out_hi: (C - S,) (or None: out_lo is
-    (C,)). Accumulates (+=) the column sums of x: columns < S into out_lo, the rest into out_hi[c - S]. Uses
-    dev.scratch("colsum", (R, C), float64) for the partial sums and dev.scratch("colsum_count", (strips,),
-    int32) for the blocks counted per strip (zero between launches)."""
-    N, C = x.shape
-    grid, block, R, rows = colsum_geometry(dev, N, C, rows_per_block)
-    partial = dev.scratch("colsum", (R, C), np.float64)
-    counters = dev.scratch("colsum_count", grid[0], np.int32)
-    if out_hi is None:
-        # one output: an empty out_hi (the simulator copies each array argument: one array passed twice
-        # would have the second copy's zeros written back over the first's sums)
-        out_hi = out_lo[:0]
-    dev.launch(column_sum_units_kernel, grid, block, out_lo, out_hi, out_lo.size, partial, counters,
-               x.reshape(-1), rows)
-
-
 def column_sum(dev, out, x, rows_per_block: int | None = None) -> None:
-    """out: (C,); x: (..., C). Accumulates (+=) the column sums of x into out: the unit kernel where x is
-    float32 or bf16 with C % 8 == 0, contiguous and on 16 bytes; else the teaching kernel."""
+    """out: (C,); x: (..., C). Accumulates (+=) the column sums of x into out. Uses dev.scratch("colsum", (R, C),
+    float64) for the partial sums and dev.scratch("colsum_count", (strips,), int32) for the blocks counted per
+    strip (zero between launches): ceil(C/32) strips, or ceil(C/64) where the paired kernel runs (pairs_fit)."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
-    if C % UNIT or not units_fit(x2):
-        dev.launch(matmul_backward_bias_kernel, ceil_div(C, dev.block_size), dev.block_size, out, x2)
-        return
-    column_sum_into(dev, out, None, x2, rows_per_block)
+    pairs = pairs_fit(x2)
+    grid, block, R, rows = colsum_geometry(dev, x2.shape[0], C, rows_per_block, pairs)
+    partial = dev.scratch("colsum", (R, C), np.float64)
+    counters = dev.scratch("colsum_count", grid[0], np.int32)
+    dev.launch(column_sum_pairs_kernel if pairs else column_sum_kernel, grid, block, out, partial, counters,
+               pair_view(x2) if pairs else x2, rows)

@@ -1,6 +1,5 @@
-"""Device helpers the fast kernels share: warp reductions, words of two elements, the loads barrier, launch
-helpers. One copy of each; the teaching kernels (llmz.kernels) need none of them. (16-byte units:
-llmz.fast.vectors.)
+"""Device helpers the fast kernels share: warp reductions, words of two elements, four slots a thread, launch
+helpers. One copy of each; the teaching kernels (llmz.kernels) need none of them.
 
   warps     warp_row: one row per warp; warp_sum and warp_max_sum: xor butterflies over the 32 lanes, so every
             lane ends with the same bits, added in the same order every run (the simulator emulates the
@@ -9,8 +8,9 @@ llmz.fast.vectors.)
             low half, 2w+1 in the high half: little-endian). A warp of 2-byte loads moves 64 bytes per load
             instruction, and bf16 kernels then run at the load-instruction rate, not the memory's; a word
             moves two elements. load_pair / store_pair convert as llmz.kernels.bf16's load / store do
-  loads     loads_barrier: every load of a thread issued before the first is waited for
-  launches  bounded_jit (launch bounds on the GPU), address, pairs_apply
+  slots     four elements (or words) a grid apart per thread, every load issued before any math
+            (four_slots, four_pairs, loads_barrier): enough bytes in flight per SM
+  launches  bounded_jit (launch bounds on the GPU), elementwise_blocks, pairs_apply, words
 """
 import math
 
@@ -20,10 +20,12 @@ from numba import config, cuda, types
 from numba.cuda.extending import overload
 
 from ..bf16 import M16, M32
+from ..device import ceil_div
 from ..kernels.bf16 import S16, bf16_to_f32_dev, f32_bits, round_nearest_bits
 
 WARP = 32                   # threads per warp
 FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in a shuffle
+ELEMS_PER_THREAD = 4        # elements (or words) per thread of the elementwise kernels: four_slots
 S32 = np.uint64(32)
 
 
@@ -124,7 +126,7 @@ def pair_view(x):
     return x.view(np.uint32 if x.dtype == np.uint16 else np.uint64)
 
 
-# ---- loads first ------------------------------------------------------------------------------------------
+# ---- slots: four elements (or words) a grid apart per thread ------------------------------------------------
 # A compiler barrier between a kernel's loads and its math, so that all the loads are issued before the
 # first one is waited for: cuda.syncwarp() (a NOP in the SASS; every lane of the warp must reach it, so it
 # sits before any branch). Without it LLVM sinks the first element's loads into its `if` and ptxas puts
@@ -139,7 +141,34 @@ else:
         cuda.syncwarp()
 
 
+@cuda.jit(device=True)
+def four_slots(n):
+    """This thread's elements i0..i3 = i, i+S, i+2S, i+3S (S = the threads of the grid) and the indices j0..j3
+    it loads them from: the same, or element n-1 for a slot past the end (a valid address, never stored)."""
+    i0 = cuda.grid(1)
+    S = cuda.gridsize(1)
+    i1, i2, i3 = i0 + S, i0 + 2 * S, i0 + 3 * S
+    last = n - 1
+    return i0, i1, i2, i3, min(i0, last), min(i1, last), min(i2, last), min(i3, last)
+
+
+@cuda.jit(device=True)
+def four_pairs(a, j0, j1, j2, j3):
+    """The eight elements of words j0..j3 of the paired view a (the paired kernels' four slots), as float32:
+    four independent word loads."""
+    x0, x1 = load_pair(a, j0)
+    x2, x3 = load_pair(a, j1)
+    x4, x5 = load_pair(a, j2)
+    x6, x7 = load_pair(a, j3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
 # ---- launches -------------------------------------------------------------------------------------------
+def elementwise_blocks(dev, n: int) -> int:
+    """Blocks for n elements (or pair words), ELEMS_PER_THREAD per thread (0 for n = 0: nothing to launch)."""
+    return ceil_div(n, ELEMS_PER_THREAD * dev.block_size)
+
+
 def address(x) -> int:
     """The address of x's first element (CuPy or NumPy)."""
     return x.data.ptr if hasattr(x.data, "ptr") else x.ctypes.data
@@ -152,3 +181,18 @@ def pairs_apply(*xs) -> bool:
         all(x.dtype in (np.float32, np.uint16) and address(x) % (2 * x.itemsize) == 0 for x in xs)
 
 
+def words(x):
+    """x flattened, as pair_view words."""
+    return pair_view(x.reshape(-1))
+
+
+def launch_elementwise(dev, pairs_kernel, teaching_kernel, arrays, *extra) -> None:
+    """An elementwise layer over its same-size arrays, flattened: pairs_kernel on their words, four words a
+    thread, where pairs_apply; else the teaching kernel, one thread per element. Each kernel takes
+    (*arrays, count, *extra)."""
+    n = arrays[0].size
+    if pairs_apply(*arrays):
+        dev.launch(pairs_kernel, elementwise_blocks(dev, n // 2), dev.block_size,
+                   *(words(x) for x in arrays), n // 2, *extra)
+    else:
+        dev.launch_per_element(teaching_kernel, arrays, *extra)

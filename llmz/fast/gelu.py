@@ -1,107 +1,79 @@
 """GELU's fast kernels. The math, shapes and dtypes are llmz/kernels/gelu.py's.
 
-gelu_forward_units_kernel and gelu_backward_units_kernel replace the teaching gelu_forward_kernel and
-gelu_backward_kernel (one thread per element) for float32 and bf16 arrays of a size % 8 == 0 starting on 16
-bytes (units_fit): two units of 8 elements a thread (llmz.fast.vectors: 16-byte loads and stores), every
-load issued before any math. Other arrays take the teaching kernels.
-
-The arithmetic: 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)) = sig, so (1 - sig = exp(-2u) sig)
-    gelu(x) = x sig,    gelu'(x) = sig + 2 x exp(-2u) sig^2 s (1 + 3 * 0.044715 x^2)
-with exp and the reciprocal as the multi-function unit's ex2.approx and rcp.approx (~2 float32 ulps each).
-The teaching kernels' libdevice tanhf is ~25 instructions: in bf16 (4 or 6 bytes an element) they made the
-kernels compute-bound at a third of the memory's rate.
-Contract: float32 results within 1e-6 relative (normwise) of the float64 reference (the teaching kernels:
-within 1e-7); bf16 results within one bf16 step of the teaching kernels' (the same where the float32 value
-is not near a rounding boundary). gelu_backward accumulates (+=) into dinp, or overwrites it without reading
-it (accumulate=False), as the teaching one does.
+gelu_forward_pairs_kernel and gelu_backward_pairs_kernel replace the teaching gelu_forward_kernel and
+gelu_backward_kernel (one thread per element) for float32 and bf16 arrays of even size starting on a word
+boundary: they read and write WORDS of two neighbouring elements (llmz.fast.device_helpers: a bf16 pair is
+one 4-byte load, a float32 pair one 8-byte load), four words a grid apart per thread, all their loads issued
+before any math or store. A warp of one-element loads moves 64 bytes of bf16 per load instruction and stays
+far below the memory's rate. Other arrays (float64, odd sizes, a view at an odd element) take the teaching
+kernels.
+Contract: the same bits as the teaching kernels (each element's arithmetic is theirs, gelu_value / gelu_grad
+in float32, rounded once at the store). gelu_backward accumulates (+=) into dinp, or overwrites it without
+reading it (accumulate=False), as the teaching one does.
 """
-import math
-
-import numpy as np
 from numba import cuda
 
-from ..kernels import gelu as teaching
-from ..kernels.gelu import C32, ONE, S32, THREE_C32
-from .device_helpers import loads_barrier
-from .vectors import (
-    LOG2E,
-    UNIT,
-    exp2_approx,
-    launch_units,
-    load_slots,
-    rcp_approx,
-    store_slots,
-    two_slots,
-)
-
-MINUS_2LOG2E = np.float32(-2.0) * LOG2E
-EXP2_CAP = np.float32(120.0)
-TWO_S32 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
-VALUES = 2 * UNIT           # the values of a thread's two units
+from ..kernels.gelu import gelu_backward_kernel, gelu_forward_kernel, gelu_grad, gelu_value
+from .device_helpers import four_pairs, four_slots, launch_elementwise, loads_barrier, store_pair
 
 
+# ---- Numba kernels: four words of two elements per thread ----------------------------------------------
+# The arrays are pair_view words (word w = elements 2w and 2w+1; bf16 as uint32, float32 as uint64);
+# thread i takes words i, i+S, i+2S, i+3S (S = the threads of the grid).
 @cuda.jit(device=True)
-def gelu_sig(x):
-    """(sig, e): e = exp(-2u), u = s (x + 0.044715 x^3), and sig = 0.5 (1 + tanh u) = 1 / (1 + e), float32.
-    e is capped at 2^120 (u < -41.6: gelu and gelu' are below 1e-34 there): e sig stays finite, never inf * 0."""
-    e = exp2_approx(min(MINUS_2LOG2E * (S32 * (x + C32 * x * x * x)), EXP2_CAP))
-    return rcp_approx(ONE + e), e
+def added(accumulate, d, v):
+    """d + v when accumulating, else v (d is then a placeholder, never read from memory)."""
+    return d + v if accumulate else v
 
 
-@cuda.jit(device=True)
-def gelu_fast(x):
-    """gelu(x) = x sig."""
-    sig, _ = gelu_sig(x)
-    return x * sig
-
-
-@cuda.jit(device=True)
-def gelu_grad_fast(x):
-    """gelu'(x) = sig + 2 x sig (1 - sig) s (1 + 3 * 0.044715 x^2), with 1 - sig = e sig (no cancellation
-    where sig is near 1)."""
-    sig, e = gelu_sig(x)
-    return sig + TWO_S32 * x * (e * sig) * sig * (ONE + THREE_C32 * x * x)
-
-
-# ---- Numba kernels: two units of 8 elements a thread ---------------------------------------------------
 @cuda.jit
-def gelu_forward_units_kernel(out, inp, n_units):
-    """out, inp: (8 n_units,). Overwrites out."""
-    i0, i1, e0, e1 = two_slots(n_units)
-    x = cuda.local.array(VALUES, np.float32)
-    load_slots(x, inp, e0, e1)
+def gelu_forward_pairs_kernel(out, inp, n_words):
+    """out, inp: (n_words,) paired views of 2 n_words elements. Overwrites out."""
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
+    # the four word loads first (eight elements)
+    x0, x1, x2, x3, x4, x5, x6, x7 = four_pairs(inp, j0, j1, j2, j3)
     loads_barrier()
-    for k in range(VALUES):
-        x[k] = gelu_fast(x[k])
-    store_slots(out, x, i0, i1, e0, e1, n_units)
+    # out = gelu(inp), the words inside the array
+    if i0 < n_words:
+        store_pair(out, i0, gelu_value(x0), gelu_value(x1))
+    if i1 < n_words:
+        store_pair(out, i1, gelu_value(x2), gelu_value(x3))
+    if i2 < n_words:
+        store_pair(out, i2, gelu_value(x4), gelu_value(x5))
+    if i3 < n_words:
+        store_pair(out, i3, gelu_value(x6), gelu_value(x7))
 
 
 @cuda.jit
-def gelu_backward_units_kernel(dinp, inp, dout, n_units, accumulate):
-    """dinp, inp, dout: (8 n_units,). Accumulates (+=) into dinp, or overwrites it (dinp not read) when
-    accumulate is False."""
-    i0, i1, e0, e1 = two_slots(n_units)
-    x = cuda.local.array(VALUES, np.float32)
-    g = cuda.local.array(VALUES, np.float32)
-    d = cuda.local.array(VALUES, np.float32)
-    load_slots(x, inp, e0, e1)
-    load_slots(g, dout, e0, e1)
+def gelu_backward_pairs_kernel(dinp, inp, dout, n_words, accumulate):
+    """dinp, inp, dout: (n_words,) paired views. Accumulates (+=) into dinp, or overwrites it (dinp not read)
+    when accumulate is False."""
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
+    # the word loads first: inp, dout and, accumulating, the dinp added to
+    x0, x1, x2, x3, x4, x5, x6, x7 = four_pairs(inp, j0, j1, j2, j3)
+    g0, g1, g2, g3, g4, g5, g6, g7 = four_pairs(dout, j0, j1, j2, j3)
+    d0, d1, d2, d3, d4, d5, d6, d7 = g0, g1, g2, g3, g4, g5, g6, g7      # placeholders when overwriting
     if accumulate:
-        load_slots(d, dinp, e0, e1)
+        d0, d1, d2, d3, d4, d5, d6, d7 = four_pairs(dinp, j0, j1, j2, j3)
     loads_barrier()
-    for k in range(VALUES):
-        v = gelu_grad_fast(x[k]) * g[k]
-        d[k] = d[k] + v if accumulate else v
-    store_slots(dinp, d, i0, i1, e0, e1, n_units)
+    # dinp (+)= gelu'(inp) * dout, the words inside the array
+    if i0 < n_words:
+        store_pair(dinp, i0, added(accumulate, d0, gelu_grad(x0) * g0), added(accumulate, d1, gelu_grad(x1) * g1))
+    if i1 < n_words:
+        store_pair(dinp, i1, added(accumulate, d2, gelu_grad(x2) * g2), added(accumulate, d3, gelu_grad(x3) * g3))
+    if i2 < n_words:
+        store_pair(dinp, i2, added(accumulate, d4, gelu_grad(x4) * g4), added(accumulate, d5, gelu_grad(x5) * g5))
+    if i3 < n_words:
+        store_pair(dinp, i3, added(accumulate, d6, gelu_grad(x6) * g6), added(accumulate, d7, gelu_grad(x7) * g7))
 
 
 # ---- the layer ---------------------------------------------------------------------------------
 def gelu_forward(dev, out, inp) -> None:
     """out = gelu(inp), any shape. Overwrites out."""
-    launch_units(dev, gelu_forward_units_kernel, teaching.gelu_forward, (out, inp))
+    launch_elementwise(dev, gelu_forward_pairs_kernel, gelu_forward_kernel, (out, inp))
 
 
 def gelu_backward(dev, dinp, inp, dout, accumulate: bool = True) -> None:
     """dinp += gelu'(inp) * dout (accumulates), or dinp = gelu'(inp) * dout (accumulate=False: overwrites,
     dinp not read)."""
-    launch_units(dev, gelu_backward_units_kernel, teaching.gelu_backward, (dinp, inp, dout), bool(accumulate))
+    launch_elementwise(dev, gelu_backward_pairs_kernel, gelu_backward_kernel, (dinp, inp, dout), accumulate)

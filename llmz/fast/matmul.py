@@ -3,12 +3,11 @@ llmz/kernels/matmul.py's; each piece replaces one there:
 
   products   llmz.fast.gemm: cuBLAS (TF32 / bf16 tensor cores; the weight gradient accumulated with beta=1)
              in place of the tiled teaching kernel, as dev.matmul says (--matmul)
-  bias       matmul_bias_fill_units_kernel replaces matmul_forward_bias_kernel (one thread per element): each
-             thread writes FILL_ROWS = 32 rows of one unit of 8 columns (16-byte stores, llmz.fast.vectors;
-             a grid-stride loop); matmul_bias_fill_kernel, one column (or a word of two) a thread, where the
-             units do not fit; the product then accumulates onto it, so the bias is added inside the
-             product's epilogue and the sum rounded once (what cuBLASLt's bias epilogue does:
-             llmz.fast.cublaslt, which makes the fill unnecessary)
+  bias       matmul_bias_fill_kernel replaces matmul_forward_bias_kernel (one thread per element): each
+             thread writes FILL_ROWS = 32 rows of one column (a grid-stride loop: 32x fewer blocks), on words
+             of two elements where out and bias fit (pair_view); the product then accumulates onto it, so the
+             bias is added inside the product's epilogue and the sum rounded once (what cuBLASLt's bias
+             epilogue does)
   bias grad  llmz.fast.column_sum (two stages in one launch) replaces matmul_backward_bias_kernel (one thread
              per column over all rows)
 Contract: the bias fill writes the teaching kernel's bits; the bias gradient is column_sum's (a float64 sum
@@ -22,7 +21,6 @@ from ..kernels.bf16 import load, store
 from .column_sum import column_sum
 from .device_helpers import pair_view, pairs_apply
 from .gemm import gemm
-from .vectors import UNIT, load8, store8, units_fit
 
 # rows of out one fill thread writes (a grid-stride loop): a block of 256 threads then writes 32 rows, not 4
 FILL_ROWS = 32
@@ -46,18 +44,6 @@ def matmul_bias_fill_kernel(out, bias):
         store(out, (r, oc), b)
 
 
-@cuda.jit
-def matmul_bias_fill_units_kernel(out, bias, OC):
-    """out (N*OC,) flat = bias (OC,) in every row, OC % 8 == 0. Grid (ceil(N/FILL_ROWS), ceil(OC/8/blockDim)):
-    thread (r, u) writes unit u (columns 8u..8u+7) of rows r, r+S, ... (S = gridDim.x). Overwrites out."""
-    u = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if u >= OC // UNIT:
-        return
-    b0, b1, b2, b3, b4, b5, b6, b7 = load8(bias, UNIT * u)
-    for r in range(cuda.blockIdx.x, out.shape[0] // OC, cuda.gridDim.x):
-        store8(out, r * OC + UNIT * u, b0, b1, b2, b3, b4, b5, b6, b7)
-
-
 def bias_grid(dev, N: int, OC: int) -> tuple:
     """matmul_bias_fill_kernel's grid for out (N,OC), blocks of dev.block_size threads."""
     return ceil_div(N, FILL_ROWS), ceil_div(OC, dev.block_size)
@@ -69,12 +55,7 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
     OC, C = weight.shape
     out2 = out.reshape(-1, OC)
     # out = bias in every row, then out += inp (N,C) @ weight.T (C,OC): the sum rounded once
-    if bias is not None and OC % UNIT == 0 and out2.dtype == bias.dtype and units_fit(out2, bias):
-        # a block per FILL_ROWS rows and up to dev.block_size units: no idle threads at OC = 768 (96 units)
-        threads = min(dev.block_size, ceil_div(OC // UNIT, 32) * 32)
-        dev.launch(matmul_bias_fill_units_kernel, (ceil_div(out2.shape[0], FILL_ROWS), ceil_div(OC // UNIT, threads)),
-                   threads, out2.reshape(-1), bias, OC)
-    elif bias is not None:
+    if bias is not None:
         fill_out, fill_bias = out2, bias
         if out2.dtype == bias.dtype and OC % 2 == 0 and pairs_apply(out2, bias):
             fill_out, fill_bias = pair_view(out2), pair_view(bias)     # words of two elements, copied as they are

@@ -1,61 +1,70 @@
 """The residual connection's fast kernels. The math, shapes and dtypes are llmz/kernels/residual.py's.
 
-residual_forward_units_kernel and residual_backward_units_kernel replace the teaching residual_forward_kernel
-and residual_backward_kernel (one thread per element) for float32 and bf16 arrays of a size % 8 == 0 starting
-on 16 bytes (units_fit): two units of 8 elements a thread (llmz.fast.vectors, as llmz.fast.gelu), every load
-issued before any store. Other arrays take the teaching kernels. (The forward fused into the next layernorm
-is llmz.fast.layernorm.residual_layernorm_forward.)
+residual_forward_pairs_kernel and residual_backward_pairs_kernel replace the teaching residual_forward_kernel
+and residual_backward_kernel (one thread per element) for float32 and bf16 arrays of even size starting on
+a word boundary: four words of two elements per thread (llmz.fast.device_helpers, as llmz.fast.gelu), every
+load issued before any store, a 4-byte load per bf16 pair. Other arrays take the teaching kernels.
 Contract: the same bits as the teaching kernels (the same float32 add per element, one rounding).
 residual_forward overwrites out; residual_backward accumulates (+=) into dinp1 and dinp2.
 """
-import numpy as np
 from numba import cuda
 
-from ..kernels import residual as teaching
-from .device_helpers import loads_barrier
-from .vectors import UNIT, add_store_slots, launch_units, load_slots, store_slots, two_slots
-
-VALUES = 2 * UNIT           # the values of a thread's two units
+from ..kernels.residual import residual_backward_kernel, residual_forward_kernel
+from .device_helpers import four_pairs, four_slots, launch_elementwise, loads_barrier, store_pair
 
 
-# ---- Numba kernels: two units of 8 elements a thread ---------------------------------------------------
+# ---- Numba kernels: four words of two elements per thread ----------------------------------------------
+# pair_view words (word w = elements 2w and 2w+1), thread i takes words i, i+S, i+2S, i+3S
 @cuda.jit
-def residual_forward_units_kernel(out, inp1, inp2, n_units):
-    """out, inp1, inp2: (8 n_units,). Overwrites out."""
-    i0, i1, e0, e1 = two_slots(n_units)
-    a = cuda.local.array(VALUES, np.float32)
-    b = cuda.local.array(VALUES, np.float32)
-    load_slots(a, inp1, e0, e1)
-    load_slots(b, inp2, e0, e1)
+def residual_forward_pairs_kernel(out, inp1, inp2, n_words):
+    """out, inp1, inp2: (n_words,) paired views of 2 n_words elements. Overwrites out."""
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
+    # the eight word loads first (sixteen elements)
+    a0, a1, a2, a3, a4, a5, a6, a7 = four_pairs(inp1, j0, j1, j2, j3)
+    b0, b1, b2, b3, b4, b5, b6, b7 = four_pairs(inp2, j0, j1, j2, j3)
     loads_barrier()
-    add_store_slots(out, a, b, i0, i1, e0, e1, n_units)
+    # out = inp1 + inp2, the words inside the array
+    if i0 < n_words:
+        store_pair(out, i0, a0 + b0, a1 + b1)
+    if i1 < n_words:
+        store_pair(out, i1, a2 + b2, a3 + b3)
+    if i2 < n_words:
+        store_pair(out, i2, a4 + b4, a5 + b5)
+    if i3 < n_words:
+        store_pair(out, i3, a6 + b6, a7 + b7)
 
 
 @cuda.jit
-def residual_backward_units_kernel(dinp1, dinp2, dout, n_units):
-    """dinp1, dinp2, dout: (8 n_units,), dinp1 and dinp2 different arrays. Accumulates (+=) into both."""
-    i0, i1, e0, e1 = two_slots(n_units)
-    g = cuda.local.array(VALUES, np.float32)
-    load_slots(g, dout, e0, e1)
-    # the two gradients added to, read with dout before any add
-    p = cuda.local.array(VALUES, np.float32)
-    load_slots(p, dinp1, e0, e1)
-    q = cuda.local.array(VALUES, np.float32)
-    load_slots(q, dinp2, e0, e1)
+def residual_backward_pairs_kernel(dinp1, dinp2, dout, n_words):
+    """dinp1, dinp2, dout: (n_words,) paired views, dinp1 and dinp2 different arrays. Accumulates (+=) into
+    dinp1 and dinp2."""
+    i0, i1, i2, i3, j0, j1, j2, j3 = four_slots(n_words)
+    # the twelve word loads first: dout and the two gradients being accumulated into
+    d0, d1, d2, d3, d4, d5, d6, d7 = four_pairs(dout, j0, j1, j2, j3)
+    p0, p1, p2, p3, p4, p5, p6, p7 = four_pairs(dinp1, j0, j1, j2, j3)
+    q0, q1, q2, q3, q4, q5, q6, q7 = four_pairs(dinp2, j0, j1, j2, j3)
     loads_barrier()
-    for k in range(VALUES):
-        p[k] += g[k]
-        q[k] += g[k]
-    store_slots(dinp1, p, i0, i1, e0, e1, n_units)
-    store_slots(dinp2, q, i0, i1, e0, e1, n_units)
+    # dinp1 += dout; dinp2 += dout, the words inside the array
+    if i0 < n_words:
+        store_pair(dinp1, i0, p0 + d0, p1 + d1)
+        store_pair(dinp2, i0, q0 + d0, q1 + d1)
+    if i1 < n_words:
+        store_pair(dinp1, i1, p2 + d2, p3 + d3)
+        store_pair(dinp2, i1, q2 + d2, q3 + d3)
+    if i2 < n_words:
+        store_pair(dinp1, i2, p4 + d4, p5 + d5)
+        store_pair(dinp2, i2, q4 + d4, q5 + d5)
+    if i3 < n_words:
+        store_pair(dinp1, i3, p6 + d6, p7 + d7)
+        store_pair(dinp2, i3, q6 + d6, q7 + d7)
 
 
 # ---- the layer ---------------------------------------------------------------------------------
 def residual_forward(dev, out, inp1, inp2) -> None:
     """out = inp1 + inp2 (any shape). Overwrites out."""
-    launch_units(dev, residual_forward_units_kernel, teaching.residual_forward, (out, inp1, inp2))
+    launch_elementwise(dev, residual_forward_pairs_kernel, residual_forward_kernel, (out, inp1, inp2))
 
 
 def residual_backward(dev, dinp1, dinp2, dout) -> None:
     """dinp1 += dout; dinp2 += dout (dinp1, dinp2: two different arrays). Accumulates."""
-    launch_units(dev, residual_backward_units_kernel, teaching.residual_backward, (dinp1, dinp2, dout))
+    launch_elementwise(dev, residual_backward_pairs_kernel, residual_backward_kernel, (dinp1, dinp2, dout))
