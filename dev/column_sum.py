@@ -4,13 +4,15 @@ against the float64 reference on fresh random bf16 inputs and timed at the bias 
 
     python dev/column_sum.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: the teaching kernel (llmz.kernels.matmul.matmul_backward_bias_kernel): one thread per column over
-           all N rows, float64
-version 2: two stages in one launch, strips of 64 columns read as words of two (4-byte loads), chunks of 256
-           rows, 8 loads in flight a thread, stage 2 in each strip's last block (the fast kernel until the
-           units; a warp reads 128 bytes of a row: at d48 the partial-row reads ran at ~0.9 TB/s)
-version 3: llmz.fast.column_sum: strips of 256 columns in units of 8 (16-byte loads, a warp 512 bytes of a
-           row), at most 32 chunks of >= 64 rows, 4 rows in flight a thread
+version 1: llmz.kernels.matmul.matmul_backward_bias_kernel (teaching): one thread per column over all N rows,
+           float64
+version 2: llmz.fast.column_sum (today's fast set): two stages in one launch, strips of 64 columns read as
+           words of two (4-byte loads: a warp reads 128 bytes of a row), chunks of 256 rows, 8 loads in flight
+           a thread, stage 2 in each strip's last block (d48: ~71 us a call, 18% of the copy ceiling)
+version 3: strips of 256 columns in units of 8 (16-byte loads, dev/vectors.py: a warp reads 512 bytes of a
+           row), at most 32 chunks of >= 64 rows, 4 rows in flight a thread, the same two stages and fixed
+           order; also takes layernorm's per-team partial rows into dweight and dbias (dev/layernorm.py's
+           version 3). Predicted at d48 (fc bias, N x 4C): 30 us (80%). Not yet run on a GPU.
 """
 import os
 import sys
@@ -22,270 +24,157 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
+from dev.vectors import UNIT, load8, units_fit
 from llmz.device import ceil_div
 from llmz.fast import column_sum as fast
 from llmz.fast.column_sum import last_in_strip
-from llmz.fast.device_helpers import bounded_jit, load_pair, pair_view
-from llmz.kernels.bf16 import load, store_add
+from llmz.fast.device_helpers import loads_barrier
+from llmz.kernels.bf16 import store_add
 from llmz.kernels.matmul import matmul_backward_bias_kernel
 
-# version 2's geometry: strips of 32 columns (64 as words of two), chunks of 256 rows, 8 lanes
-COLSUM_STRIP = 32
-COLSUM_PAIR_STRIP = 2 * COLSUM_STRIP
-COLSUM_ROWS, COLSUM_LANES = 256, 8
-MAX_LANES = 32
-PAIRS_THREADS, PAIRS_BLOCKS_PER_SM = COLSUM_STRIP * COLSUM_LANES, 6
-U1, U2, U3, U4, U5, U6, U7, U8 = (np.uint64(k) for k in range(1, 9))
+# ---- version 3: strips of 256 columns in units of 8 --------------------------------------------------------
+# stage 1  grid (ceil(C/256), R): block (x, y) takes a strip of STRIP_UNITS = 32 units (256 columns) and a
+#          chunk of rows_per_block rows; threads (32 units) x (LANES): lane y takes rows y, y+LANES, ... of the
+#          chunk, ROW_BATCH = 4 rows loaded before they are added. Each thread sums its 8 columns in float64,
+#          the lanes are added in lane order and the block writes partial[y, its columns] (float64 (R, C)).
+# stage 2  in the block that finishes its strip last (llmz.fast.column_sum.last_in_strip): lane y sums partial
+#          rows y, y+LANES, ... in order, the lanes in lane order, and the sum goes into out[c].
+# The geometry: at most MAX_CHUNKS = 32 chunks of at least MIN_CHUNK_ROWS = 64 rows (N = 8192, C = 6400, d48's
+# fc bias: 25 strips x 32 chunks = 800 blocks of 256 threads, 256 rows each, 8 batches of 4 a thread).
+# Contract: llmz.fast.column_sum's (a float64 sum in a fixed order, rounded once into out).
+STRIP_UNITS = 32                # units per stage-1 block (threadIdx.x)
+LANES, LANES_SIM = 8, 2         # threadIdx.y on the GPU; in the simulator (each thread a Python thread)
+ROW_BATCH = 4                   # rows a thread loads before adding them
+BATCH_VALUES = ROW_BATCH * UNIT  # the values of those rows a thread holds
+MAX_CHUNKS = 32                 # row chunks (stage-1 blocks a strip) at most
+MIN_CHUNK_ROWS = 64             # rows a chunk at least (unless N is smaller)
 
 
-def geometry(N: int, C: int, pairs: bool):
-    """Version 2's launch: (grid, block, R, rows_per_block)."""
-    R = max(1, ceil_div(N, COLSUM_ROWS))
-    return (ceil_div(C, COLSUM_PAIR_STRIP if pairs else COLSUM_STRIP), R), (COLSUM_STRIP, COLSUM_LANES), R, COLSUM_ROWS
-
-
-# ---- version 2's pieces and kernels (the layernorm dweight/dbias kernel of dev/layernorm.py uses them too) --
-@cuda.jit(device=True)
-def stage_rows(N, rows_per_block):
-    """In a stage-1 block: (c, first, end, step), this thread's column and its rows range(first, end, step)
-    of the block's chunk. The caller checks c < C."""
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    row0 = cuda.blockIdx.y * rows_per_block
-    return c, row0 + cuda.threadIdx.y, min(row0 + rows_per_block, N), cuda.blockDim.y
-
-
-@cuda.jit(device=True)
-def sum_rows(x, c, first, end, step):
-    """The float64 sum of x[first:end:step, c] (x: (rows, C), any storage), added in row order. The loads go
-    ROW_LOADS = 8 at a time, all eight issued before their adds: the order of the adds, and so the bits, are
-    those of a plain loop over the rows. c must be a column of x: the kernels call it outside any branch (a
-    column past the end sums column C-1 and drops the sum); inside an `if`, ptxas interleaves the adds with
-    the loads."""
-    acc = np.float64(0.0)
-    row = first
-    # eight rows at a time: the eight loads, independent, then the eight adds in row order
-    while row + 7 * step < end:
-        x0 = load(x, (row, c))
-        x1 = load(x, (row + step, c))
-        x2 = load(x, (row + 2 * step, c))
-        x3 = load(x, (row + 3 * step, c))
-        x4 = load(x, (row + 4 * step, c))
-        x5 = load(x, (row + 5 * step, c))
-        x6 = load(x, (row + 6 * step, c))
-        x7 = load(x, (row + 7 * step, c))
-        acc += x0
-        acc += x1
-        acc += x2
-        acc += x3
-        acc += x4
-        acc += x5
-        acc += x6
-        acc += x7
-        row += 8 * step
-    # the last rows (fewer than eight), one at a time
-    while row < end:
-        acc += load(x, (row, c))
-        row += step
-    return acc
+def colsum_geometry(dev, N: int, C: int, rows_per_block: int | None = None):
+    """The launch for N rows and C columns: (grid, block, R, rows_per_block); the partial-sum scratch is (R, C)
+    float64, the counters (grid[0],) int32. R >= 1, so N = 0 gives one block of zero sums."""
+    lanes = LANES_SIM if dev.kind == "sim" else LANES
+    if rows_per_block is None:
+        chunks = max(1, min(MAX_CHUNKS, ceil_div(N, MIN_CHUNK_ROWS)))
+        rows_per_block = max(1, ceil_div(ceil_div(N, chunks), lanes) * lanes)
+    R = max(1, ceil_div(N, rows_per_block))
+    return (ceil_div(C // UNIT, STRIP_UNITS), R), (STRIP_UNITS, lanes), R, rows_per_block
 
 
 @cuda.jit(device=True)
-def lanes_in_order(buf, acc):
-    """Every thread of a (32 columns) x (lanes) block calls this with its float64 `acc`. Returns, in lane 0,
-    the sum of its column's lanes in lane order (0 in the other lanes). buf: shared (MAX_LANES,
-    COLSUM_STRIP) float64, free for reuse on return."""
-    tx = cuda.threadIdx.x
-    buf[cuda.threadIdx.y, tx] = acc
+def lanes_in_order8(buf, acc):
+    """Every thread of a (32 units) x (lanes) block calls this with its 8 float64 sums `acc` (a local array,
+    overwritten): afterwards acc holds, in lane 0, the sums of its unit's lanes in lane order. buf: shared
+    (LANES, UNIT, STRIP_UNITS) float64, free for reuse on return."""
+    tx, y = cuda.threadIdx.x, cuda.threadIdx.y
+    for j in range(UNIT):
+        buf[y, j, tx] = acc[j]
     cuda.syncthreads()
-    # lane 0 adds the lanes in order
-    s = np.float64(0.0)
-    if cuda.threadIdx.y == 0:
-        for lane in range(cuda.blockDim.y):
-            s += buf[lane, tx]
+    if y == 0:
+        for j in range(UNIT):
+            s = numba.float64(0.0)
+            for lane in range(cuda.blockDim.y):
+                s += buf[lane, j, tx]
+            acc[j] = s
     cuda.syncthreads()                  # everyone is done with buf before it is reused
-    return s
-
-
-@cuda.jit(device=True)
-def strip_partial(buf, acc, partial, c):
-    """Every thread of a stage-1 block calls this with `acc`, its float64 sum over its rows of column c
-    (any value where c is out of range: not written). Overwrites partial[blockIdx.y, c] with the sum of the block's lanes, in
-    lane order. buf: shared (MAX_LANES, COLSUM_STRIP) float64, free for reuse on return."""
-    s = lanes_in_order(buf, acc)
-    if cuda.threadIdx.y == 0 and c < partial.shape[1]:
-        partial[cuda.blockIdx.y, c] = s
-
-
-@cuda.jit(device=True)
-def column_total(buf, partial, c):
-    """Stage 2 in a (32 columns) x (lanes) block: returns, in lane 0, the float64 sum of partial[0:R, c], lane
-    y adding rows y, y+lanes, ... in order, then the lanes in order (any value where c is out of range: the
-    caller drops it; the whole block must call this). buf as in lanes_in_order."""
-    R, C = partial.shape
-    # this lane's partials (a column past the end sums column C-1, so every thread runs sum_rows unbranched)
-    acc = sum_rows(partial, min(c, C - 1), cuda.threadIdx.y, R, cuda.blockDim.y)
-    return lanes_in_order(buf, acc)
-
-
-@cuda.jit(device=True)
-def sum_rows_pair(x, w, first, end, step):
-    """(s0, s1), the float64 sums of columns 2w and 2w+1 over rows range(first, end, step) of the words x
-    (rows, C/2) (pair_view of float32 or bf16), each added in row order as sum_rows adds one column: the
-    same bits. The word loads go ROW_LOADS = 8 at a time, all eight before their adds. w must be a word of x
-    (called outside any branch, as sum_rows); first, end, step >= 0."""
-    w = np.uint64(w)
-    row = np.uint64(first)
-    end = np.uint64(end)
-    step = np.uint64(step)
-    a0 = np.float64(0.0)
-    a1 = np.float64(0.0)
-    # eight rows at a time: the eight word loads, independent, then each column's eight adds in row order
-    while row + U7 * step < end:
-        u0, v0 = load_pair(x, (row, w))
-        u1, v1 = load_pair(x, (row + step, w))
-        u2, v2 = load_pair(x, (row + U2 * step, w))
-        u3, v3 = load_pair(x, (row + U3 * step, w))
-        u4, v4 = load_pair(x, (row + U4 * step, w))
-        u5, v5 = load_pair(x, (row + U5 * step, w))
-        u6, v6 = load_pair(x, (row + U6 * step, w))
-        u7, v7 = load_pair(x, (row + U7 * step, w))
-        a0 += u0
-        a0 += u1
-        a0 += u2
-        a0 += u3
-        a0 += u4
-        a0 += u5
-        a0 += u6
-        a0 += u7
-        a1 += v0
-        a1 += v1
-        a1 += v2
-        a1 += v3
-        a1 += v4
-        a1 += v5
-        a1 += v6
-        a1 += v7
-        row += U8 * step
-    # the last rows (fewer than eight), one at a time
-    while row < end:
-        u, v = load_pair(x, (row, w))
-        a0 += u
-        a1 += v
-        row += step
-    return a0, a1
-
-
-@cuda.jit(device=True)
-def lanes_in_order_pair(buf, a0, a1):
-    """lanes_in_order for a thread's two columns: returns, in lane 0, (s0, s1), each the sum of its column's
-    lanes in lane order (0 in the other lanes). buf: shared (MAX_LANES, COLSUM_PAIR_STRIP) float64 (a0 at
-    [lane, tx], a1 at [lane, 32 + tx]), free for reuse on return."""
-    tx = cuda.threadIdx.x
-    buf[cuda.threadIdx.y, tx] = a0
-    buf[cuda.threadIdx.y, COLSUM_STRIP + tx] = a1
-    cuda.syncthreads()
-    # lane 0 adds the lanes in order, each column on its own
-    s0 = np.float64(0.0)
-    s1 = np.float64(0.0)
-    if cuda.threadIdx.y == 0:
-        for lane in range(cuda.blockDim.y):
-            s0 += buf[lane, tx]
-            s1 += buf[lane, COLSUM_STRIP + tx]
-    cuda.syncthreads()                  # everyone is done with buf before it is reused
-    return s0, s1
-
-
-@cuda.jit(device=True)
-def strip_partial_pair(buf, a0, a1, partial, c):
-    """strip_partial for columns c and c+1 (c even, C even): overwrites partial[blockIdx.y, c] and [.., c+1]
-    with the sums of the block's lanes, in lane order (not written where c >= C). buf as in
-    lanes_in_order_pair."""
-    s0, s1 = lanes_in_order_pair(buf, a0, a1)
-    if cuda.threadIdx.y == 0 and c < partial.shape[1]:
-        partial[cuda.blockIdx.y, c] = s0
-        partial[cuda.blockIdx.y, c + 1] = s1
-
-
-@cuda.jit(device=True)
-def column_total_pair(buf, partial, c):
-    """column_total for columns c and c+1 (c even, C even): returns, in lane 0, (s0, s1), each the float64 sum
-    of its column's R partials in column_total's order (the same bits: two sum_rows). The whole block must call it."""
-    R, C = partial.shape
-    c = min(c, C - 2)
-    a0 = sum_rows(partial, c, cuda.threadIdx.y, R, cuda.blockDim.y)
-    a1 = sum_rows(partial, c + 1, cuda.threadIdx.y, R, cuda.blockDim.y)
-    return lanes_in_order_pair(buf, a0, a1)
 
 
 @cuda.jit
-def column_sum_kernel(out, partial, counters, x, rows_per_block):
-    """out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and left zero);
-    x: (N,C). Grid (ceil(C/32), R), block (32, lanes). Overwrites partial[blockIdx.y, columns of this strip];
-    the last block of each strip accumulates (+=) the strip's sums into out."""
+def column_sum_units_kernel(out_lo, out_hi, split, partial, counters, x, rows_per_block):
+    """x: (N*C,) flat float32 or bf16, C % 8 == 0; partial: (R, C) float64 scratch; counters: (ceil(C/256),)
+    int32, zero (and left zero); out_lo (split,), out_hi (C - split,): column c < split goes to out_lo[c], the
+    others to out_hi[c - split] (empty when split = C). Grid (ceil(C/256), R), block (32, lanes).
+    Overwrites partial[blockIdx.y, columns of this strip]; the strip's last block accumulates (+=) the sums."""
+    C = partial.shape[1]
+    U = C // UNIT
+    N = x.shape[0] // C
+    tx, y, lanes = cuda.threadIdx.x, cuda.threadIdx.y, cuda.blockDim.y
+    buf = cuda.shared.array((LANES, UNIT, STRIP_UNITS), numba.float64)
+    flag = cuda.shared.array(1, numba.int32)
+    acc = cuda.local.array(UNIT, numba.float64)
+    v = cuda.local.array(BATCH_VALUES, numba.float32)
+    u = cuda.blockIdx.x * STRIP_UNITS + tx
+    c = UNIT * min(u, U - 1)            # a unit past the end sums unit U-1 and drops it
+    for j in range(UNIT):
+        acc[j] = 0.0
+    # stage 1: this thread's rows of the chunk, ROW_BATCH at a time (loads first), each column in row order
+    row = cuda.blockIdx.y * rows_per_block + y
+    end = min((cuda.blockIdx.y + 1) * rows_per_block, N)
+    while row + (ROW_BATCH - 1) * lanes < end:
+        for b in range(ROW_BATCH):
+            e = (row + b * lanes) * C + c
+            v[8 * b], v[8 * b + 1], v[8 * b + 2], v[8 * b + 3], v[8 * b + 4], v[8 * b + 5], v[8 * b + 6], \
+                v[8 * b + 7] = load8(x, e)
+        loads_barrier()
+        for b in range(ROW_BATCH):
+            for j in range(UNIT):
+                acc[j] += v[8 * b + j]
+        row += ROW_BATCH * lanes
+    while row < end:
+        v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7] = load8(x, row * C + c)
+        for j in range(UNIT):
+            acc[j] += v[j]
+        row += lanes
+    # the block's lanes in order, written as the chunk's partial sums
+    lanes_in_order8(buf, acc)
+    if y == 0 and u < U:
+        for j in range(UNIT):
+            partial[cuda.blockIdx.y, c + j] = acc[j]
+    # stage 2, in the strip's last block only: the R partials, lane y rows y, y+lanes, ..., then the lanes
+    if not last_in_strip(flag, counters):
+        return
+    for j in range(UNIT):
+        acc[j] = 0.0
+    for r in range(y, partial.shape[0], lanes):
+        for j in range(UNIT):
+            acc[j] += partial[r, c + j]
+    lanes_in_order8(buf, acc)
+    if y == 0 and u < U:
+        for j in range(UNIT):
+            if c + j < split:
+                store_add(out_lo, c + j, acc[j])
+            else:
+                store_add(out_hi, c + j - split, acc[j])
+
+
+def column_sum_into(dev, out_lo, out_hi, x, rows_per_block: int | None = None) -> None:
+    """x: (N, C) float32 or bf16, C % 8 == 0, units_fit; out_lo: (S,), out_hi: (C - S,) (or None: out_lo is
+    (C,)). Accumulates (+=) the column sums of x: columns < S into out_lo, the rest into out_hi[c - S]. Uses
+    dev.scratch("colsum", (R, C), float64) for the partial sums and dev.scratch("colsum_count", (strips,),
+    int32) for the blocks counted per strip (zero between launches)."""
     N, C = x.shape
-    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
-    flag = cuda.shared.array(1, numba.int32)
-    c, first, end, step = stage_rows(N, rows_per_block)
-    # stage 1: this thread's rows of the chunk, in order, in float64 (a column past the end sums column C-1,
-    # so the whole warp goes through sum_rows; strip_partial drops it), then the block's lanes in order
-    acc = sum_rows(x, min(c, C - 1), first, end, step)
-    strip_partial(buf, acc, partial, c)
-    # stage 2, in the strip's last block only: the column's partials, lane by lane in order; lane 0 writes out[c]
-    if not last_in_strip(flag, counters):
+    grid, block, R, rows = colsum_geometry(dev, N, C, rows_per_block)
+    partial = dev.scratch("colsum", (R, C), np.float64)
+    counters = dev.scratch("colsum_count", grid[0], np.int32)
+    if out_hi is None:
+        # one output: an empty out_hi (the simulator copies each array argument: one array passed twice
+        # would have the second copy's zeros written back over the first's sums)
+        out_hi = out_lo[:0]
+    dev.launch(column_sum_units_kernel, grid, block, out_lo, out_hi, out_lo.size, partial, counters,
+               x.reshape(-1), rows)
+
+
+def column_sum_units(dev, out, x, rows_per_block: int | None = None) -> None:
+    """llmz.fast.column_sum.column_sum's call: the unit kernel where x is float32 or bf16 with C % 8 == 0,
+    contiguous and on 16 bytes; else the teaching kernel."""
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    if C % UNIT or not units_fit(x2):
+        dev.launch(matmul_backward_bias_kernel, ceil_div(C, dev.block_size), dev.block_size, out, x2)
         return
-    s = column_total(buf, partial, c)
-    if cuda.threadIdx.y == 0 and c < C:
-        store_add(out, c, s)
-
-
-@bounded_jit(PAIRS_THREADS, PAIRS_BLOCKS_PER_SM)
-def column_sum_pairs_kernel(out, partial, counters, x, rows_per_block):
-    """column_sum_kernel on words: x: (N, C/2) pair_view words of an (N,C) float32 or bf16 array, C even;
-    out: (C,); partial: (R,C) float64 scratch; counters: (ceil(C/64),) int32, zero (and left zero). Grid
-    (ceil(C/64), R), block (32, lanes): thread (tx, y) of block (x, y) takes word 32x + tx, columns 64x + 2tx
-    and +1. Overwrites partial[blockIdx.y, columns of this strip]; the strip's last block accumulates (+=) the
-    sums into out. Every column's adds are column_sum_kernel's: the same bits."""
-    N, W = x.shape
-    C = 2 * W
-    buf = cuda.shared.array((MAX_LANES, COLSUM_PAIR_STRIP), numba.float64)
-    flag = cuda.shared.array(1, numba.int32)
-    w, first, end, step = stage_rows(N, rows_per_block)
-    c = 2 * w
-    # stage 1: this thread's rows of the chunk, both columns in order, in float64 (a word past the end sums
-    # word W-1, dropped by strip_partial_pair), then the block's lanes in order
-    a0, a1 = sum_rows_pair(x, min(w, W - 1), first, end, step)
-    strip_partial_pair(buf, a0, a1, partial, c)
-    # stage 2, in the strip's last block only: each column's partials, lane by lane in order
-    if not last_in_strip(flag, counters):
-        return
-    s0, s1 = column_total_pair(buf, partial, c)
-    if cuda.threadIdx.y == 0 and c < C:
-        store_add(out, c, s0)
-        store_add(out, c + 1, s1)
-
+    column_sum_into(dev, out, None, x2, rows_per_block)
 
 
 # ---- the versions -------------------------------------------------------------------------------------
-def v1(dev, d, case=None):
-    OC = d["x"].shape[1]
-    dev.launch(matmul_backward_bias_kernel, ceil_div(OC, 256), 256, d["out"], d["x"])
+def teaching(dev, out, x):
+    OC = x.shape[1]
+    dev.launch(matmul_backward_bias_kernel, ceil_div(OC, 256), 256, out, x)
 
 
-def v2(dev, d, case=None):
-    x = d["x"]
-    N, OC = x.shape
-    grid, block, R, rows = geometry(N, OC, True)
-    partial = dev.scratch("dev_colsum", (R, OC), np.float64)
-    counters = dev.scratch("dev_colsum_count", grid[0], np.int32)
-    dev.launch(column_sum_pairs_kernel, grid, block, d["out"], partial, counters, pair_view(x), rows)
-
-
-def v3(dev, d, case=None):
-    fast.column_sum(dev, d["out"], d["x"])
-
-
-VERSIONS = {1: ("teaching: a thread per column", v1), 2: ("words of two, 64-column strips", v2),
-            3: ("units of 8, 256-column strips", v3)}
+VERSIONS = {v: (name, lambda dev, d, case, fn=fn: fn(dev, d["out"], d["x"]))
+            for v, (name, fn) in {1: ("teaching: a thread per column", teaching),
+                                  2: ("words of two, 64-column strips (fast set)", fast.column_sum),
+                                  3: ("units of 8, 256-column strips (candidate)", column_sum_units)}.items()}
 
 
 def cases(cfg, B):

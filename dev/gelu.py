@@ -4,41 +4,111 @@ MLP's (B*T, 4C) of d12..d48, a table last (dev/harness.py).
 
     python dev/gelu.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: the teaching kernels (llmz.kernels.gelu): one thread per element, libdevice tanhf
-version 2: words of two elements, four a thread (dev/pairs.py): bound by tanhf's ~25 instructions in bf16
-version 3: llmz.fast.gelu: units of 8 (16-byte loads), two a thread; 0.5 (1 + tanh u) = 1 / (1 + exp(-2u))
-           on the multi-function unit (ex2.approx, rcp.approx)
+version 1: llmz.kernels.gelu (teaching): one thread per element, libdevice tanhf
+version 2: llmz.fast.gelu (today's fast set): words of two elements, four a thread; bound by tanhf's ~25
+           instructions an element in bf16 (d48 backward: 246 us a call, 27% of the copy ceiling)
+version 3: units of 8 (16-byte loads, dev/vectors.py), two a thread; 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)) on
+           ex2.approx and rcp.approx. Predicted at d48: forward 57 us, backward 86 us (85%). Not yet run on
+           a GPU.
 """
+import math
 import os
 import sys
 
+import numpy as np
+from numba import cuda
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dev import harness, pairs
+from dev import harness
+from dev.vectors import LOG2E, UNIT, exp2_approx, launch_units, load_slots, rcp_approx, store_slots, two_slots
 from llmz.fast import gelu as fast
+from llmz.fast.device_helpers import loads_barrier
 from llmz.kernels import gelu as teaching
-from llmz.kernels.gelu import gelu_backward_ref, gelu_forward_ref
+from llmz.kernels.gelu import C32, ONE, S32, THREE_C32, gelu_backward_ref, gelu_forward_ref
+
+# ---- version 3: units, exp and the reciprocal on the multi-function unit -----------------------------------
+# gelu(x) = x sig, gelu'(x) = sig + 2 x exp(-2u) sig^2 s (1 + 3 * 0.044715 x^2), sig = 1 / (1 + exp(-2u)) (so
+# 1 - sig = exp(-2u) sig: no cancellation where sig is near 1). Contract: float32 within 1e-6 relative
+# (normwise) of float64; bf16 within one bf16 step of the teaching kernels.
+MINUS_2LOG2E = np.float32(-2.0) * LOG2E
+EXP2_CAP = np.float32(120.0)
+TWO_S32 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+VALUES = 2 * UNIT           # the values of a thread's two units
 
 
-def forward_with(fn):
-    return lambda dev, d: fn(dev, d["out"], d["inp"])
+@cuda.jit(device=True)
+def gelu_sig(x):
+    """(sig, e): e = exp(-2u), u = s (x + 0.044715 x^3), and sig = 0.5 (1 + tanh u) = 1 / (1 + e), float32.
+    e is capped at 2^120 (u < -41.6: gelu and gelu' are below 1e-34 there): e sig stays finite, never inf * 0."""
+    e = exp2_approx(min(MINUS_2LOG2E * (S32 * (x + C32 * x * x * x)), EXP2_CAP))
+    return rcp_approx(ONE + e), e
 
 
-def backward_with(fn):
-    return lambda dev, d: fn(dev, d["dinp"], d["inp"], d["dout"], False)
+@cuda.jit(device=True)
+def gelu_fast(x):
+    """gelu(x) = x sig."""
+    sig, _ = gelu_sig(x)
+    return x * sig
 
 
-CASES = {
-    "forward": {1: forward_with(teaching.gelu_forward),
-                2: lambda dev, d: pairs.launch_pairs(dev, pairs.gelu_forward_pairs_kernel, (d["out"], d["inp"])),
-                3: forward_with(fast.gelu_forward)},
-    "backward": {1: backward_with(teaching.gelu_backward),
-                 2: lambda dev, d: pairs.launch_pairs(dev, pairs.gelu_backward_pairs_kernel,
-                                                      (d["dinp"], d["inp"], d["dout"]), False),
-                 3: backward_with(fast.gelu_backward)},
-}
-NAMES = {1: "teaching", 2: "words of two, tanhf", 3: "units, ex2/rcp approx"}
-VERSIONS = {v: (NAMES[v], lambda dev, d, case, v=v: CASES[case][v](dev, d)) for v in NAMES}
+@cuda.jit(device=True)
+def gelu_grad_fast(x):
+    """gelu'(x) = sig + 2 x sig (1 - sig) s (1 + 3 * 0.044715 x^2), with 1 - sig = e sig."""
+    sig, e = gelu_sig(x)
+    return sig + TWO_S32 * x * (e * sig) * sig * (ONE + THREE_C32 * x * x)
+
+
+@cuda.jit
+def gelu_forward_units_kernel(out, inp, n_units):
+    """out, inp: (8 n_units,). Overwrites out."""
+    i0, i1, e0, e1 = two_slots(n_units)
+    x = cuda.local.array(VALUES, np.float32)
+    load_slots(x, inp, e0, e1)
+    loads_barrier()
+    for k in range(VALUES):
+        x[k] = gelu_fast(x[k])
+    store_slots(out, x, i0, i1, e0, e1, n_units)
+
+
+@cuda.jit
+def gelu_backward_units_kernel(dinp, inp, dout, n_units, accumulate):
+    """dinp, inp, dout: (8 n_units,). Accumulates (+=) into dinp, or overwrites it (dinp not read) when
+    accumulate is False."""
+    i0, i1, e0, e1 = two_slots(n_units)
+    x = cuda.local.array(VALUES, np.float32)
+    g = cuda.local.array(VALUES, np.float32)
+    d = cuda.local.array(VALUES, np.float32)
+    load_slots(x, inp, e0, e1)
+    load_slots(g, dout, e0, e1)
+    if accumulate:
+        load_slots(d, dinp, e0, e1)
+    loads_barrier()
+    for k in range(VALUES):
+        v = gelu_grad_fast(x[k]) * g[k]
+        d[k] = d[k] + v if accumulate else v
+    store_slots(dinp, d, i0, i1, e0, e1, n_units)
+
+
+def gelu_forward_units(dev, out, inp) -> None:
+    """llmz.fast.gelu.gelu_forward's call on units (the teaching kernel where units do not fit)."""
+    launch_units(dev, gelu_forward_units_kernel, teaching.gelu_forward, (out, inp))
+
+
+def gelu_backward_units(dev, dinp, inp, dout, accumulate: bool = True) -> None:
+    """llmz.fast.gelu.gelu_backward's call on units (the teaching kernel where units do not fit)."""
+    launch_units(dev, gelu_backward_units_kernel, teaching.gelu_backward, (dinp, inp, dout), bool(accumulate))
+
+
+# ---- the versions of each case --------------------------------------------------------------------------
+FORWARD = {1: teaching.gelu_forward, 2: fast.gelu_forward, 3: gelu_forward_units}
+BACKWARD = {1: teaching.gelu_backward, 2: fast.gelu_backward, 3: gelu_backward_units}
+NAMES = {1: "teaching", 2: "words of two, tanhf (fast set)", 3: "units, ex2/rcp approx (candidate)"}
+# each version's layer functions, called as the model calls them (the backward overwriting dinp)
+CASES = {"forward": {v: (lambda dev, d, fn=fn: fn(dev, d["out"], d["inp"])) for v, fn in FORWARD.items()},
+         "backward": {v: (lambda dev, d, fn=fn: fn(dev, d["dinp"], d["inp"], d["dout"], False))
+                      for v, fn in BACKWARD.items()}}
+VERSIONS = harness.case_versions(NAMES, CASES)
 
 
 def cases(cfg, B):

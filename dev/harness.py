@@ -1,15 +1,16 @@
 """What every dev/<layer>.py shares (llm.c's dev/cuda common.h): the sizes, random bf16 inputs made on the
 GPU, float64 references computed there, timing with CUDA events, the copy ceiling, and the table printed last.
 
-    python dev/<layer>.py [--model d12|d24|d36|d48|all] [-b B] [--reps N] [VERSION ...]
+    python dev/<layer>.py [--model d12|d24|d36|d48|d12,d48|all] [-b B] [--reps N] [VERSION ...]
 
-Each script lists its versions (v1 the teaching kernel, then the fast ones in the order they were written)
-and its cases (the layer's calls at one model size); for every size, case and version: the outputs poisoned
-(NaN), the version run on fresh random inputs and checked against the float64 reference (norm-wise relative
-error under the case's bf16 tolerance, nothing left NaN), then timed (median of `reps` calls after one,
-CUDA events), its bytes (each array the call must read or write, once) over the time, and that rate as a
-share of the copy ceiling measured first (a 2 GiB device-to-device copy, bytes read + written). A short table
-last; the whole table as JSON under $OUT (when set). Exit status 1 if any check failed.
+Each script lists its versions (v1 the teaching kernel, v2 what llmz/fast/ runs today, then the candidates in
+the order they were written, "not yet run on a GPU" until tools/kern_gpu.sh has measured them) and its cases
+(the layer's calls at one model size); for every size, case and version: the outputs poisoned (NaN), the
+version run on fresh random inputs and checked against the float64 reference (norm-wise relative error under
+the case's bf16 tolerance, nothing left NaN), then timed (median of `reps` calls after one, CUDA events), its
+bytes (each array the call must read or write, once) over the time, and that rate as a share of the copy
+ceiling measured first (a 2 GiB device-to-device copy, bytes read + written). A short table last; the whole
+table as JSON under $OUT (when set). Exit status 1 if any check failed.
 """
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ BF16_TOL = 1e-2
 
 def parse(argv, doc: str, versions: dict):
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--model", default="all", help="d12, d24, d36, d48 or all (default)")
+    p.add_argument("--model", default="all", help="d12, d24, d36, d48, a comma list of them, or all (default)")
     p.add_argument("-b", "--batch-size", type=int, default=8, help="B (default 8, T = 1024)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("versions", nargs="*", type=int, help=f"versions to run (default all: {sorted(versions)})")
     args = p.parse_args(argv)
-    args.models = MODELS if args.model == "all" else (args.model,)
+    args.models = MODELS if args.model == "all" else tuple(args.model.split(","))
+    if not set(args.models) <= set(MODELS):
+        p.error(f"--model {args.model}: choose from {', '.join(MODELS)}, a comma list of them, or all")
     args.versions = args.versions or sorted(versions)
     return args
 
@@ -146,6 +149,12 @@ class Table:
             with open(os.path.join(out, f"dev_{self.layer}.json"), "w") as f:
                 json.dump({"ceiling GB/s": self.ceiling, "rows": self.rows}, f, indent=1)
         return 0 if all(r["ok"] for r in self.rows) else 1
+
+
+def case_versions(names: dict, calls: dict) -> dict:
+    """run()'s versions from {case: {version: call(dev, arrays)}}: version v of a case runs calls[case][v]
+    (a version missing from a case does not apply to it: the case's applies() says so)."""
+    return {v: (names[v], lambda dev, d, case, v=v: calls[case][v](dev, d)) for v in names}
 
 
 @contextlib.contextmanager

@@ -4,270 +4,298 @@ bf16 inputs and timed at d12..d48 (B*T rows of C channels), a table last (dev/ha
 
     python dev/layernorm.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: the teaching kernels (llmz.kernels.layernorm): a block per row, float64 per element; dweight and
-           dbias one thread per channel over all rows
-version 2: a warp per row, the row in registers as 2-byte loads (C <= 1024: 32 slots a lane) or three strided
-           passes (C > 1024, float64 sums: at d48 10% of the bandwidth); dweight/dbias a second kernel over
-           the rows (column_sum's two stages, 8 rows in flight: 4% at d48, 2-byte loads of 32-column strips)
-version 3: llmz.fast.layernorm: kernels built per C, rows in registers as 16-byte units at every width; the
-           backward one pass (dinp, and dweight/dbias partial sums per team of warps, then a column sum)
+version 1: llmz.kernels.layernorm (teaching): a block per row, float64 per element; dweight and dbias one
+           thread per channel over all rows
+version 2: llmz.fast.layernorm (today's fast set): a warp per row, the row in registers as 2-byte loads (C <=
+           1024) or three strided passes with float64 sums (C > 1024); dweight/dbias a second kernel, 2-byte
+           loads of 32-column strips (d48: forward 109 us a call, 11% of the copy ceiling; backward 528 us, 5%)
+version 3: kernels built per C (llm.c's templates), the row in registers as 16-byte units (dev/vectors.py) at
+           every width; the backward one pass (dinp, and dweight/dbias partial sums per team of warps, then
+           dev/column_sum.py's version 3). Predicted at d48: forward 15 us (80%), backward 33 us (75%). Not
+           yet run on a GPU.
 version 4: (the residual case) residual add and layernorm forward in one kernel (llm.c's
-           fused_residual_forward5), against version 3's two kernels
+           fused_residual_forward5), version 3's forward with a second input, against two kernels. Predicted
+           at d48: 30 us (80%) where versions 2's residual + layernorm take 18 + 109 us. Not yet run on a GPU.
+The fused case's reference is here (the residual rounded to bf16, then llmz.kernels.layernorm's
+layernorm_forward_ref): no layer of the model calls the fused forward yet.
 """
+import functools
 import math
 import os
 import sys
 
 import numba
 import numpy as np
-from numba import cuda, types
-from numba.cuda.extending import overload
+from numba import cuda
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
-from dev.column_sum import COLSUM_STRIP, MAX_LANES, column_total, geometry, stage_rows, strip_partial
+from dev.column_sum import column_sum_into
+from dev.residual import residual_forward_units
+from dev.vectors import UNIT, load8, store8, units_fit
 from llmz.device import ceil_div
 from llmz.fast import layernorm as fast
 from llmz.fast import residual as fast_residual
-from llmz.fast.column_sum import last_in_strip
-from llmz.fast.device_helpers import WARP, warp_row, warp_sum
+from llmz.fast.device_helpers import WARP, loads_barrier, warp_row, warp_sum
 from llmz.kernels import layernorm as teaching
 from llmz.kernels import residual as teaching_residual
-from llmz.kernels.bf16 import load, store, store_add
 from llmz.kernels.layernorm import LN_EPS, layernorm_backward_ref, layernorm_forward_ref
 
-# version 2's constants
-MAX_PER_LANE = 32
-WARPS_PER_BLOCK = 4
-ROWS_IN_FLIGHT = 8
+# ---- version 3 (and 4): kernels built per C on 16-byte units ------------------------------------------------
+# Every kernel is built for one C (forward_kernel(C), backward_kernel(C)), so a row's units per thread are
+# compile-time constants, unrolled, and the row stays in registers at every GPT-2 width (C = 1600: 7 units a
+# lane, 56 floats). Float32 and bf16 rows of C % 8 == 0 channels starting on 16 bytes; others the teaching
+# kernels.
+#   forward   one WARP per row, WARPS_PER_BLOCK rows a block, lane l holding units l, l+32, ...; every load
+#             issued before any arithmetic; the mean and the variance from the registers (each lane's sum in
+#             float32, the warp's butterfly in float64); one write. With inp2 and residual (version 4): x = inp
+#             + inp2 stored to residual, rounded as the residual kernel rounds it, and normalised from those
+#             stored values.
+#   backward  one pass over the rows: a TEAM (one block of team_warps(C) warps, thread t holding units t,
+#             t + 32 TW, VPT = 2 of them) per row at a time, the team's rows row0, row0 + G, ... (G teams); inp,
+#             dout and dinp read once, dinp written once; the two row means summed by the team (float32 per
+#             thread, float64 across threads, warps in order); each thread adds its channels' norm * dout and
+#             dout into float32 registers, written once per team to a (G, 2C) float32 scratch; then the column
+#             sum adds the G partial rows into dweight and dbias (float64, fixed order).
+# Contract: out, mean, rstd, dinp within 1e-6 relative (normwise) of the float64 reference in float32;
+# dweight, dbias: float32 sums over each team's <= 32 rows, then float64: a few float32 ulps. The grid is a
+# function of N and C only: the same bits every run. The fused forward: the residual kernel's bits, then
+# the layernorm kernel's on them.
+WARPS_PER_BLOCK = 4         # rows per block of the forward (one warp each)
+VPT = 2                     # units per thread of the backward team
+TEAM_ROWS = 32              # the most rows a backward team adds into its float32 partial sums
+TEAM_WARPS_IN_FLIGHT = 2048  # warps of all teams together (~16 per SM on an H200), unless N gives fewer
 
 
-# ---- version 2's kernels --------------------------------------------------------------------------------
-def as_compute(a, v):
-    """v as the float type the kernels compute in beside array a: float64 for float64 arrays, float32 for
-    float32 and bf16 (uint16) ones. Picked per dtype like llmz.kernels.bf16's load (compile time on the GPU)."""
-    return np.float64(v) if a.dtype == np.float64 else np.float32(v)
+def team_warps(C: int) -> int:
+    """Warps of a backward team: enough threads for every unit of a row at VPT units a thread."""
+    return ceil_div(C // UNIT, WARP * VPT)
 
 
-@overload(as_compute, target="cuda")
-def _as_compute_cuda(a, v):
-    if a.dtype == types.float64:
-        return lambda a, v: np.float64(v)
-    return lambda a, v: np.float32(v)
+def backward_teams(N: int, C: int) -> int:
+    """G, the backward's teams (blocks): enough warps in flight, and no team adding more than TEAM_ROWS rows
+    (its partial sums are float32); a function of N and C only, so the sums' order is too."""
+    return max(1, min(N, max(TEAM_WARPS_IN_FLIGHT // team_warps(C), ceil_div(N, TEAM_ROWS))))
 
 
-@cuda.jit
-def layernorm_backward_params_kernel(dweight, dbias, part_w, part_b, counters, dout, inp, mean, rstd,
-                                     rows_per_block):
-    """dweight, dbias: (C,); part_w, part_b: (R,C) float64 scratch; counters: (ceil(C/32),) int32, zero (and
-    left zero); dout, inp: (N,C); mean, rstd: (N,). Grid (ceil(C/32), R), block (32, lanes): block (x, y) sums
-    rows [y*rows_per_block, (y+1)*rows_per_block) of channels [32x, 32x+32) and overwrites part_w[y], part_b[y]
-    there; the last block of strip x to finish adds the strip's R partials, lane y partial rows y, y+lanes,
-    ... in order, then the lanes in order. Accumulates (+=) into dweight, dbias."""
-    N, C = inp.shape
-    buf = cuda.shared.array((MAX_LANES, COLSUM_STRIP), numba.float64)
-    flag = cuda.shared.array(1, numba.int32)
-    x = cuda.local.array(ROWS_IN_FLIGHT, inp.dtype)
-    g = cuda.local.array(ROWS_IN_FLIGHT, dout.dtype)
-    m = cuda.local.array(ROWS_IN_FLIGHT, mean.dtype)
-    s = cuda.local.array(ROWS_IN_FLIGHT, rstd.dtype)
-    c, first, end, step = stage_rows(N, rows_per_block)
-    acc_w = np.float64(0.0)
-    acc_b = np.float64(0.0)
-    if c < C:
-        for row0 in range(first, end, step * ROWS_IN_FLIGHT):
-            # this thread's next ROWS_IN_FLIGHT rows: every load before any add
-            for u in range(ROWS_IN_FLIGHT):
-                row = row0 + u * step
-                if row < end:
-                    x[u] = inp[row, c]
-                    g[u] = dout[row, c]
-                    m[u] = mean[row]
-                    s[u] = rstd[row]
-            # dweight: sum of norm * dout; dbias: sum of dout (the batch in the compute dtype, then float64)
-            bw = as_compute(inp, 0)
-            bb = as_compute(inp, 0)
-            for u in range(ROWS_IN_FLIGHT):
-                if row0 + u * step < end:
-                    gu = load(g, u)
-                    bw += (load(x, u) - m[u]) * s[u] * gu
-                    bb += gu
-            acc_w += bw
-            acc_b += bb
-    # the block's lanes, in order
-    strip_partial(buf, acc_w, part_w, c)
-    strip_partial(buf, acc_b, part_b, c)
-    # stage 2, in the strip's last block only: both channels' partials, lane by lane in order; lane 0 adds
-    # them into dweight[c], dbias[c]
-    if not last_in_strip(flag, counters):
-        return
-    s_w = column_total(buf, part_w, c)
-    s_b = column_total(buf, part_b, c)
-    if cuda.threadIdx.y == 0 and c < C:
-        store_add(dweight, c, s_w)
-        store_add(dbias, c, s_b)
+# ---- Numba kernels, one set per C ---------------------------------------------------------------------
+@functools.cache
+def forward_kernel(C: int):
+    """The forward kernel for rows of C channels (C % 8 == 0)."""
+    U = C // UNIT                   # units in a row
+    UPL = ceil_div(U, WARP)         # units a lane holds
+    NV = UPL * UNIT
+
+    @cuda.jit
+    def layernorm_forward_units_kernel(out, mean, rstd, inp, weight, bias, residual, inp2):
+        # out, inp (and residual, inp2): (N*C,) flat; mean, rstd: (N,); weight, bias: (C,). One warp per row.
+        # Overwrites out, mean, rstd (and residual = inp + inp2, when inp2 is given; else both are None).
+        row, lane = warp_row()
+        if row >= mean.shape[0]:
+            return
+        base = row * C
+        x = cuda.local.array(NV, numba.float32)
+        y = cuda.local.array(NV, numba.float32)
+        # the row's units, all loads first (a lane past the row's last unit loads unit U-1, never used)
+        for k in range(UPL):
+            e = base + UNIT * min(lane + WARP * k, U - 1)
+            x[8 * k], x[8 * k + 1], x[8 * k + 2], x[8 * k + 3], x[8 * k + 4], x[8 * k + 5], x[8 * k + 6], \
+                x[8 * k + 7] = load8(inp, e)
+            if inp2 is not None:
+                y[8 * k], y[8 * k + 1], y[8 * k + 2], y[8 * k + 3], y[8 * k + 4], y[8 * k + 5], y[8 * k + 6], \
+                    y[8 * k + 7] = load8(inp2, e)
+        loads_barrier()
+        # the fused residual: x = inp + inp2 as stored (rounded to the storage's precision)
+        if inp2 is not None:
+            for k in range(UPL):
+                u = lane + WARP * k
+                if u < U:
+                    j = 8 * k
+                    x[j], x[j + 1], x[j + 2], x[j + 3], x[j + 4], x[j + 5], x[j + 6], x[j + 7] = store8(
+                        residual, base + UNIT * u, x[j] + y[j], x[j + 1] + y[j + 1], x[j + 2] + y[j + 2],
+                        x[j + 3] + y[j + 3], x[j + 4] + y[j + 4], x[j + 5] + y[j + 5], x[j + 6] + y[j + 6],
+                        x[j + 7] + y[j + 7])
+        # the mean: each lane's sum in float32, the warp's in float64
+        acc = numba.float32(0.0)
+        for k in range(UPL):
+            if lane + WARP * k < U:
+                for j in range(UNIT):
+                    acc += x[8 * k + j]
+        m = warp_sum(numba.float64(acc)) / C
+        mc = numba.float32(m)
+        # the biased variance, from the registers
+        acc = numba.float32(0.0)
+        for k in range(UPL):
+            if lane + WARP * k < U:
+                for j in range(UNIT):
+                    d = x[8 * k + j] - mc
+                    acc += d * d
+        s = 1.0 / math.sqrt(warp_sum(numba.float64(acc)) / C + LN_EPS)
+        sc = numba.float32(s)
+        # normalise, scale and shift: one write of the row
+        for k in range(UPL):
+            u = lane + WARP * k
+            if u < U:
+                c = UNIT * u
+                w0, w1, w2, w3, w4, w5, w6, w7 = load8(weight, c)
+                b0, b1, b2, b3, b4, b5, b6, b7 = load8(bias, c)
+                j = 8 * k
+                store8(out, base + c, (x[j] - mc) * sc * w0 + b0, (x[j + 1] - mc) * sc * w1 + b1,
+                       (x[j + 2] - mc) * sc * w2 + b2, (x[j + 3] - mc) * sc * w3 + b3,
+                       (x[j + 4] - mc) * sc * w4 + b4, (x[j + 5] - mc) * sc * w5 + b5,
+                       (x[j + 6] - mc) * sc * w6 + b6, (x[j + 7] - mc) * sc * w7 + b7)
+        # cache for backward
+        if lane == 0:
+            mean[row] = m
+            rstd[row] = s
+    return layernorm_forward_units_kernel
 
 
-@cuda.jit
-def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
-    """inp, out: (N,C), C <= 32 * MAX_PER_LANE; mean, rstd: (N,); weight, bias: (C,). One warp per row, the
-    row in registers: lane l holds channels l + 32k in x[k]. Overwrites out, mean, rstd."""
-    N, C = inp.shape
-    row, lane = warp_row()
-    if row >= N:
-        return
-    x_row = inp[row]
-    out_row = out[row]
-    # read the row once, every load issued before any arithmetic (the slots past C hold 0)
-    x = cuda.local.array(MAX_PER_LANE, inp.dtype)
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            x[k] = x_row[i]
-        else:
-            x[k] = 0
-    # the mean over channels: the lane's sum, then the warp's float64 butterfly
-    acc = as_compute(inp, 0)
-    for k in range(MAX_PER_LANE):
-        acc += load(x, k)
-    m = warp_sum(np.float64(acc)) / C
-    mc = as_compute(inp, m)
-    # the biased variance, a second pass over the registers
-    acc = as_compute(inp, 0)
-    for k in range(MAX_PER_LANE):
-        if lane + k * WARP < C:
-            d = load(x, k) - mc
-            acc += d * d
-    s = 1.0 / math.sqrt(warp_sum(np.float64(acc)) / C + LN_EPS)
-    sc = as_compute(inp, s)
-    # normalize, then scale and shift
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            store(out_row, i, (load(x, k) - mc) * sc * load(weight, i) + load(bias, i))
-    # cache for backward
-    if lane == 0:
-        mean[row] = m
-        rstd[row] = s
+@functools.cache
+def backward_kernel(C: int):
+    """The backward kernel for rows of C channels (C % 8 == 0): team_warps(C) warps a block."""
+    U = C // UNIT
+    TW = team_warps(C)
+    TPB = TW * WARP                 # threads of a team
+    NV = VPT * UNIT
+
+    @cuda.jit
+    def layernorm_backward_units_kernel(dinp, partial, dout, inp, weight, mean, rstd):
+        # dinp, dout, inp: (N*C,) flat; weight: (C,); mean, rstd: (N,); partial: (G*2C,) float32 flat, G =
+        # gridDim.x teams. Team g takes rows g, g+G, ...; accumulates (+=) into dinp and overwrites team g's
+        # partial row: its rows' sums of norm * dout (channels 0..C-1), then of dout (C..2C-1).
+        N = mean.shape[0]
+        t = cuda.threadIdx.x
+        warp, lane = t // WARP, t & (WARP - 1)
+        sums = cuda.shared.array((2, 2, TW), numba.float64)     # [row parity][sum][warp]
+        # this thread's weights, once; its sums start at 0
+        w = cuda.local.array(NV, numba.float32)
+        dw = cuda.local.array(NV, numba.float32)
+        db = cuda.local.array(NV, numba.float32)
+        for k in range(VPT):
+            c = UNIT * min(t + TPB * k, U - 1)
+            w[8 * k], w[8 * k + 1], w[8 * k + 2], w[8 * k + 3], w[8 * k + 4], w[8 * k + 5], w[8 * k + 6], \
+                w[8 * k + 7] = load8(weight, c)
+            for j in range(UNIT):
+                dw[8 * k + j] = 0.0
+                db[8 * k + j] = 0.0
+        parity = 0
+        x = cuda.local.array(NV, numba.float32)         # the row's inp (then its norm), dout, dinp
+        g = cuda.local.array(NV, numba.float32)
+        d = cuda.local.array(NV, numba.float32)
+        for row in range(cuda.blockIdx.x, N, cuda.gridDim.x):
+            base = row * C
+            # the row's units of inp, dout and dinp, all loads first (past the last unit: unit U-1, unused)
+            for k in range(VPT):
+                e = base + UNIT * min(t + TPB * k, U - 1)
+                j = 8 * k
+                x[j], x[j + 1], x[j + 2], x[j + 3], x[j + 4], x[j + 5], x[j + 6], x[j + 7] = load8(inp, e)
+                g[j], g[j + 1], g[j + 2], g[j + 3], g[j + 4], g[j + 5], g[j + 6], g[j + 7] = load8(dout, e)
+                d[j], d[j + 1], d[j + 2], d[j + 3], d[j + 4], d[j + 5], d[j + 6], d[j + 7] = load8(dinp, e)
+            m = numba.float32(mean[row])
+            s = numba.float32(rstd[row])
+            loads_barrier()
+            # x becomes norm, g stays dout; the thread's sums of dnorm = weight * dout and of dnorm * norm
+            acc_d = numba.float32(0.0)
+            acc_dn = numba.float32(0.0)
+            for k in range(VPT):
+                if t + TPB * k < U:
+                    for j in range(8 * k, 8 * k + UNIT):
+                        x[j] = (x[j] - m) * s
+                        dnorm = w[j] * g[j]
+                        acc_d += dnorm
+                        acc_dn += dnorm * x[j]
+            # the team's sums: each warp's butterfly, then the warps in order (sums[parity]: a warp that
+            # runs ahead to the next row writes the other half, so one barrier a row suffices)
+            acc_d64 = warp_sum(numba.float64(acc_d))
+            acc_dn64 = warp_sum(numba.float64(acc_dn))
+            if lane == 0:
+                sums[parity, 0, warp] = acc_d64
+                sums[parity, 1, warp] = acc_dn64
+            cuda.syncthreads()
+            tot_d = numba.float64(0.0)
+            tot_dn = numba.float64(0.0)
+            for v in range(TW):
+                tot_d += sums[parity, 0, v]
+                tot_dn += sums[parity, 1, v]
+            dnorm_mean = numba.float32(tot_d / C)
+            dnorm_norm_mean = numba.float32(tot_dn / C)
+            parity = 1 - parity
+            # dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)); the parameter sums
+            for k in range(VPT):
+                u = t + TPB * k
+                if u < U:
+                    j = 8 * k
+                    store8(dinp, base + UNIT * u,
+                           d[j] + s * (w[j] * g[j] - dnorm_mean - x[j] * dnorm_norm_mean),
+                           d[j + 1] + s * (w[j + 1] * g[j + 1] - dnorm_mean - x[j + 1] * dnorm_norm_mean),
+                           d[j + 2] + s * (w[j + 2] * g[j + 2] - dnorm_mean - x[j + 2] * dnorm_norm_mean),
+                           d[j + 3] + s * (w[j + 3] * g[j + 3] - dnorm_mean - x[j + 3] * dnorm_norm_mean),
+                           d[j + 4] + s * (w[j + 4] * g[j + 4] - dnorm_mean - x[j + 4] * dnorm_norm_mean),
+                           d[j + 5] + s * (w[j + 5] * g[j + 5] - dnorm_mean - x[j + 5] * dnorm_norm_mean),
+                           d[j + 6] + s * (w[j + 6] * g[j + 6] - dnorm_mean - x[j + 6] * dnorm_norm_mean),
+                           d[j + 7] + s * (w[j + 7] * g[j + 7] - dnorm_mean - x[j + 7] * dnorm_norm_mean))
+                    for i in range(j, j + UNIT):
+                        dw[i] += x[i] * g[i]
+                        db[i] += g[i]
+        # the team's partial row
+        prow = cuda.blockIdx.x * 2 * C
+        for k in range(VPT):
+            u = t + TPB * k
+            if u < U:
+                j = 8 * k
+                store8(partial, prow + UNIT * u, dw[j], dw[j + 1], dw[j + 2], dw[j + 3], dw[j + 4], dw[j + 5],
+                       dw[j + 6], dw[j + 7])
+                store8(partial, prow + C + UNIT * u, db[j], db[j + 1], db[j + 2], db[j + 3], db[j + 4],
+                       db[j + 5], db[j + 6], db[j + 7])
+    return layernorm_backward_units_kernel
 
 
-@cuda.jit
-def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
-    """dinp, dout, inp: (N,C), C <= 32 * MAX_PER_LANE; weight: (C,); mean, rstd: (N,). One warp per row, the
-    rows of inp, dout and dinp in registers as in the forward. Accumulates (+=) into dinp."""
-    N, C = inp.shape
-    row, lane = warp_row()
-    if row >= N:
-        return
-    x_row = inp[row]
-    g_row = dout[row]
-    dx_row = dinp[row]
-    # read the three rows once, every load issued before any arithmetic
-    x = cuda.local.array(MAX_PER_LANE, inp.dtype)
-    g = cuda.local.array(MAX_PER_LANE, dout.dtype)
-    dx = cuda.local.array(MAX_PER_LANE, dinp.dtype)
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            x[k] = x_row[i]
-            g[k] = g_row[i]
-            dx[k] = dx_row[i]
-    m = as_compute(inp, mean[row])
-    s = as_compute(inp, rstd[row])
-    # the two means over the row, of dnorm = weight * dout and of dnorm * norm: lane sums, two butterflies
-    acc_d = as_compute(inp, 0)
-    acc_dn = as_compute(inp, 0)
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            norm = (load(x, k) - m) * s
-            dnorm = load(weight, i) * load(g, k)
-            acc_d += dnorm
-            acc_dn += dnorm * norm
-    dnorm_mean = as_compute(inp, warp_sum(np.float64(acc_d)) / C)
-    dnorm_norm_mean = as_compute(inp, warp_sum(np.float64(acc_dn)) / C)
-    # the input gradient, added to dinp's registers (store_add's arithmetic)
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            norm = (load(x, k) - m) * s
-            dnorm = load(weight, i) * load(g, k)
-            store(dx_row, i, load(dx, k) + s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
+def units_apply(C: int, *xs) -> bool:
+    """The unit kernels apply: C % 8 == 0 and every value array float32 or bf16, contiguous, on 16 bytes."""
+    return C % UNIT == 0 and units_fit(*xs)
 
 
-@cuda.jit
-def layernorm_forward_warp_loop_kernel(out, mean, rstd, inp, weight, bias):
-    """As layernorm_forward_warp_kernel for any C (the layer uses it for C > 32 * MAX_PER_LANE): three strided
-    passes over the row (the second and third from L1), float64 sums. Overwrites out, mean, rstd."""
-    N, C = inp.shape
-    row, lane = warp_row()
-    if row >= N:
-        return
-    # the mean over channels: each lane's strided partial sum (float64), then the warp's butterfly
-    acc = 0.0
-    for i in range(lane, C, WARP):
-        acc += load(inp, (row, i))
-    m = warp_sum(acc) / C
-    # the biased variance, a second pass over the row (from L1)
-    acc = 0.0
-    for i in range(lane, C, WARP):
-        d = load(inp, (row, i)) - m
-        acc += d * d
-    s = 1.0 / math.sqrt(warp_sum(acc) / C + LN_EPS)
-    # normalize, then scale and shift
-    for i in range(lane, C, WARP):
-        store(out, (row, i), (load(inp, (row, i)) - m) * s * load(weight, i) + load(bias, i))
-    # cache for backward
-    if lane == 0:
-        mean[row] = m
-        rstd[row] = s
+def forward_geometry(N: int) -> tuple[int, int]:
+    """(grid, block) of the forward: WARPS_PER_BLOCK rows (warps) a block."""
+    return ceil_div(N, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP
 
 
-@cuda.jit
-def layernorm_backward_inp_warp_loop_kernel(dinp, dout, inp, weight, mean, rstd):
-    """As layernorm_backward_inp_warp_kernel for any C: two strided passes, float64 sums. Accumulates (+=)
-    into dinp."""
-    N, C = inp.shape
-    row, lane = warp_row()
-    if row >= N:
-        return
-    m = mean[row]
-    s = rstd[row]
-    # the two means over the row, of dnorm = weight * dout and of dnorm * norm: one read, two butterflies
-    acc_d = 0.0
-    acc_dn = 0.0
-    for i in range(lane, C, WARP):
-        norm = (load(inp, (row, i)) - m) * s
-        dnorm = load(weight, i) * load(dout, (row, i))
-        acc_d += dnorm
-        acc_dn += dnorm * norm
-    dnorm_mean = warp_sum(acc_d) / C
-    dnorm_norm_mean = warp_sum(acc_dn) / C
-    # the input gradient
-    for i in range(lane, C, WARP):
-        norm = (load(inp, (row, i)) - m) * s
-        dnorm = load(weight, i) * load(dout, (row, i))
-        store_add(dinp, (row, i), s * (dnorm - dnorm_mean - norm * dnorm_norm_mean))
+def layernorm_forward_units(dev, out, mean, rstd, inp, weight, bias) -> None:
+    """llmz.fast.layernorm.layernorm_forward's call on units (the teaching kernel where they do not fit)."""
+    C = inp.shape[-1]
+    if not units_apply(C, out, inp, weight, bias):
+        return teaching.layernorm_forward(dev, out, mean, rstd, inp, weight, bias)
+    dev.launch(forward_kernel(C), *forward_geometry(inp.size // C), out.reshape(-1), mean.reshape(-1),
+               rstd.reshape(-1), inp.reshape(-1), weight, bias, None, None)
 
 
-def v2_forward(dev, out, mean, rstd, inp, weight, bias):
-    N, C = inp.shape
-    kernel = layernorm_forward_warp_kernel if C <= WARP * MAX_PER_LANE else layernorm_forward_warp_loop_kernel
-    dev.launch(kernel, ceil_div(N, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP, out, mean, rstd, inp, weight, bias)
+def residual_layernorm_forward(dev, residual, out, mean, rstd, inp1, inp2, weight, bias) -> None:
+    """residual = inp1 + inp2 (llmz.kernels.residual's forward), then out, mean, rstd = the layernorm forward of
+    residual, in one kernel (one read of each input, one write of residual and of out). Shapes as
+    layernorm_forward's; residual, inp1, inp2 alike. Overwrites residual, out, mean, rstd."""
+    C = inp1.shape[-1]
+    if not units_apply(C, residual, out, inp1, inp2, weight, bias):
+        teaching_residual.residual_forward(dev, residual, inp1, inp2)
+        return teaching.layernorm_forward(dev, out, mean, rstd, residual, weight, bias)
+    dev.launch(forward_kernel(C), *forward_geometry(inp1.size // C), out.reshape(-1), mean.reshape(-1),
+               rstd.reshape(-1), inp1.reshape(-1), weight, bias, residual.reshape(-1), inp2.reshape(-1))
 
 
-def v2_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-    N, C = inp.shape
-    kernel = layernorm_backward_inp_warp_kernel if C <= WARP * MAX_PER_LANE else \
-        layernorm_backward_inp_warp_loop_kernel
-    dev.launch(kernel, ceil_div(N, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP, dinp, dout, inp, weight, mean, rstd)
-    grid, block, R, rows = geometry(N, C, False)
-    part_w = dev.scratch("dev_ln_dweight", (R, C), np.float64)
-    part_b = dev.scratch("dev_ln_dbias", (R, C), np.float64)
-    counters = dev.scratch("dev_ln_count", grid[0], np.int32)
-    dev.launch(layernorm_backward_params_kernel, grid, block, dweight, dbias, part_w, part_b, counters, dout, inp,
-               mean, rstd, rows)
+def layernorm_backward_units(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+    """llmz.fast.layernorm.layernorm_backward's call on units (the teaching kernels where they do not
+    fit)."""
+    C = inp.shape[-1]
+    N = inp.size // C
+    if not units_apply(C, dinp, dout, inp, weight):
+        return teaching.layernorm_backward(dev, dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+    G = backward_teams(N, C)
+    partial = dev.scratch("layernorm_params", (G, 2 * C), np.float32)
+    dev.launch(backward_kernel(C), G, team_warps(C) * WARP, dinp.reshape(-1), partial.reshape(-1),
+               dout.reshape(-1), inp.reshape(-1), weight, mean.reshape(-1), rstd.reshape(-1))
+    # dweight += the teams' first halves summed, dbias += their second halves
+    column_sum_into(dev, dweight, dbias, partial)
 
 
 # ---- the versions of each case --------------------------------------------------------------------------
@@ -288,21 +316,23 @@ def residual_two_kernels(residual_fn, layernorm_fn):
 
 
 def fused(dev, d):
-    fast.residual_layernorm_forward(dev, d["residual"], d["out"], d["mean"], d["rstd"], d["inp"], d["inp2"],
-                                    d["weight"], d["bias"])
+    residual_layernorm_forward(dev, d["residual"], d["out"], d["mean"], d["rstd"], d["inp"], d["inp2"], d["weight"],
+                               d["bias"])
 
 
 CASES = {
-    "forward": {1: forward_with(teaching.layernorm_forward), 2: forward_with(v2_forward),
-                3: forward_with(fast.layernorm_forward)},
-    "backward": {1: backward_with(teaching.layernorm_backward), 2: backward_with(v2_backward),
-                 3: backward_with(fast.layernorm_backward)},
+    "forward": {1: forward_with(teaching.layernorm_forward), 2: forward_with(fast.layernorm_forward),
+                3: forward_with(layernorm_forward_units)},
+    "backward": {1: backward_with(teaching.layernorm_backward), 2: backward_with(fast.layernorm_backward),
+                 3: backward_with(layernorm_backward_units)},
     "residual + forward": {1: residual_two_kernels(teaching_residual.residual_forward, teaching.layernorm_forward),
-                           3: residual_two_kernels(fast_residual.residual_forward, fast.layernorm_forward),
+                           2: residual_two_kernels(fast_residual.residual_forward, fast.layernorm_forward),
+                           3: residual_two_kernels(residual_forward_units, layernorm_forward_units),
                            4: fused},
 }
-NAMES = {1: "teaching", 2: "warp a row, 2-byte loads", 3: "units, per-C kernels", 4: "residual fused"}
-VERSIONS = {v: (NAMES[v], lambda dev, d, case, v=v: CASES[case][v](dev, d)) for v in NAMES}
+NAMES = {1: "teaching", 2: "warp a row, 2-byte loads (fast set)", 3: "units, per-C kernels (candidate)",
+         4: "residual fused (candidate)"}
+VERSIONS = harness.case_versions(NAMES, CASES)
 
 
 def inputs(N, C, case):

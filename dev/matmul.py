@@ -1,7 +1,8 @@
-"""The linear layer's products with their neighbours fused into cuBLASLt's epilogues (llm.c's
-matmul_cublaslt), version by version, each checked against the float64 reference on fresh random bf16 inputs
-and timed at the MLP's and the qkv's shapes of d12..d48, a table last (dev/harness.py): the choice between
-our ctypes binding of cuBLASLt (llmz.fast.cublaslt) and NVIDIA's maintained binding, nvmath-python.
+"""The linear layer's products with their neighbours, version by version: today's kernels, the unit
+candidates around cuBLAS, and the neighbours fused into cuBLASLt's epilogues (llm.c's matmul_cublaslt), each
+checked against the float64 reference on fresh random bf16 inputs and timed at the MLP's and the qkv's shapes
+of d12..d48, a table last (dev/harness.py): the choice between our ctypes binding of cuBLASLt (dev/cublaslt.py)
+and NVIDIA's maintained binding, nvmath-python.
 
     python dev/matmul.py [--model d48] [-b 8] [VERSION ...]
 
@@ -11,47 +12,89 @@ cases (N = B*T rows):
   dgelu            fcproj's backward into the GELU's input: dfch = (dout (N,C) @ Wp (C,4C)) * gelu'(fch)
   dW + bias grad   qkv's weight gradient and bias gradient: dW (3C,C) += dout (N,3C).T @ inp, dbias = sum of
                    dout's rows (from zero: cuBLASLt's gradient epilogues overwrite)
-version 1: what llmz.fast runs today: the bias fill kernel then cuBLAS accumulating onto it; the product then
-           llmz.fast.gelu's kernels; the product then llmz.fast.column_sum
-version 2: llmz.fast.cublaslt.matmul_lt: cuBLASLt through our ctypes handle, the epilogue in the product
-version 3: nvmath-python's Matmul (planned once, executed per call; torch bf16 tensors over the same memory),
-           the same epilogues (its result is a new tensor: the copy into the checked array is not timed)
+version 1: llmz.fast (today's fast set): the bias fill kernel then cuBLAS accumulating onto it; the product
+           then llmz.fast.gelu's kernels; the product then llmz.fast.column_sum (d48: bias fills 6.6 ms a step)
+version 2: version 1 with the unit candidates: the bias fill on 16-byte stores (a block of up to 256 threads
+           sized to the units); dev/gelu.py's and dev/column_sum.py's version 3. Predicted: the fill at the
+           store ceiling, GELU and the column sums as their scripts say. Not yet run on a GPU.
+version 3: dev/cublaslt.py's matmul_lt: cuBLASLt through our ctypes handle, the epilogue in the product (no
+           fill, no GELU or column-sum pass). Not yet run on a GPU.
+version 4: nvmath-python's Matmul (planned once, executed per call; torch bf16 tensors over the same memory),
+           the same epilogues (its result is a new tensor: the copy into the checked array is not timed).
+           Predicted: version 3's times within noise (the same cuBLASLt kernels). Not yet run on a GPU.
 Bytes: the product's operands and results once each (the rate column is not the point here: compare us).
 """
 import os
 import sys
 
 import numpy as np
+from numba import cuda
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
+from dev.column_sum import column_sum_units
+from dev.cublaslt import matmul_lt
+from dev.gelu import gelu_backward_units, gelu_forward_units
+from dev.vectors import UNIT, load8, store8, units_fit
+from llmz.device import ceil_div
 from llmz.fast import gelu as fast_gelu
 from llmz.fast import matmul as fast_matmul
 from llmz.fast.column_sum import column_sum
-from llmz.fast.cublaslt import matmul_lt
 from llmz.fast.gemm import gemm
+from llmz.fast.matmul import FILL_ROWS
 from llmz.kernels.gelu import gelu_backward_ref, gelu_forward_ref
 
 
-# ---- version 1: today's kernels -------------------------------------------------------------------------
-def v1(dev, d, case):
-    if case == "bias":
-        fast_matmul.matmul_forward(dev, d["out"], d["inp"], d["w"], d["b"])
-    elif case == "bias + gelu":
-        fast_matmul.matmul_forward(dev, d["fch"], d["inp"], d["w"], d["b"])
-        fast_gelu.gelu_forward(dev, d["out"], d["fch"])
-    elif case == "dgelu":
-        tmp = dev.scratch("dev_dgelu", d["out"].shape, np.uint16)
-        gemm(dev, tmp, d["dout"], d["wp"], False, False, False)
-        fast_gelu.gelu_backward(dev, d["out"], d["fch"], tmp, accumulate=False)
-    else:
-        gemm(dev, d["dw"], d["dout3"], d["inp"], True, False, True)
-        column_sum(dev, d["dbias"], d["dout3"])
+# ---- version 2's bias fill: 16-byte stores -----------------------------------------------------------------
+@cuda.jit
+def matmul_bias_fill_units_kernel(out, bias, OC):
+    """out (N*OC,) flat = bias (OC,) in every row, OC % 8 == 0. Grid (ceil(N/FILL_ROWS), ceil(OC/8/blockDim)):
+    thread (r, u) writes unit u (columns 8u..8u+7) of rows r, r+S, ... (S = gridDim.x). Overwrites out: the
+    teaching kernel's bits."""
+    u = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if u >= OC // UNIT:
+        return
+    b0, b1, b2, b3, b4, b5, b6, b7 = load8(bias, UNIT * u)
+    for r in range(cuda.blockIdx.x, out.shape[0] // OC, cuda.gridDim.x):
+        store8(out, r * OC + UNIT * u, b0, b1, b2, b3, b4, b5, b6, b7)
 
 
-# ---- version 2: our cuBLASLt binding ----------------------------------------------------------------------
-def v2(dev, d, case):
+def matmul_forward_units(dev, out, inp, weight, bias) -> None:
+    """llmz.fast.matmul.matmul_forward's call with the bias filled on units (llmz.fast's fill where they do not
+    fit): out = bias in every row, then out += inp @ weight.T."""
+    OC = weight.shape[0]
+    out2 = out.reshape(-1, OC)
+    if bias is None or OC % UNIT or out2.dtype != bias.dtype or not units_fit(out2, bias):
+        return fast_matmul.matmul_forward(dev, out, inp, weight, bias)
+    # a block per FILL_ROWS rows and up to dev.block_size units: no idle threads at OC = 768 (96 units)
+    threads = min(dev.block_size, ceil_div(OC // UNIT, 32) * 32)
+    dev.launch(matmul_bias_fill_units_kernel, (ceil_div(out2.shape[0], FILL_ROWS), ceil_div(OC // UNIT, threads)),
+               threads, out2.reshape(-1), bias, OC)
+    gemm(dev, out2, inp.reshape(-1, inp.shape[-1]), weight, False, True, True)
+
+
+# ---- versions 1 and 2: the layers' kernels around cuBLAS ---------------------------------------------------
+def around_cublas(forward, gelu_forward, gelu_backward, bias_grad):
+    """A version made of layer functions around llmz.fast.gemm's cuBLAS products."""
+    def call(dev, d, case):
+        if case == "bias":
+            forward(dev, d["out"], d["inp"], d["w"], d["b"])
+        elif case == "bias + gelu":
+            forward(dev, d["fch"], d["inp"], d["w"], d["b"])
+            gelu_forward(dev, d["out"], d["fch"])
+        elif case == "dgelu":
+            tmp = dev.scratch("dev_dgelu", d["out"].shape, np.uint16)
+            gemm(dev, tmp, d["dout"], d["wp"], False, False, False)
+            gelu_backward(dev, d["out"], d["fch"], tmp, accumulate=False)
+        else:
+            gemm(dev, d["dw"], d["dout3"], d["inp"], True, False, True)
+            bias_grad(dev, d["dbias"], d["dout3"])
+    return call
+
+
+# ---- version 3: our cuBLASLt binding ----------------------------------------------------------------------
+def lt(dev, d, case):
     if case == "bias":
         matmul_lt(dev, d["out"], d["inp"], d["w"], False, True, False, "bias", bias=d["b"])
     elif case == "bias + gelu":
@@ -62,7 +105,7 @@ def v2(dev, d, case):
         matmul_lt(dev, d["dw"], d["dout3"], d["inp"], True, False, True, "bgradb", bias=d["dbias"])
 
 
-# ---- version 3: nvmath-python ---------------------------------------------------------------------------
+# ---- version 4: nvmath-python ---------------------------------------------------------------------------
 PLANS: dict = {}
 
 
@@ -72,7 +115,7 @@ def bf16(a):
     return torch.from_dlpack(a).view(torch.bfloat16)
 
 
-def v3(dev, d, case):
+def nvmath(dev, d, case):
     """nvmath works column-major in cuBLASLt's terms on its operands' layouts: each product is written as its
     transpose (result (cols, rows) = the row-major array read as a transposed view), so that its bias is one
     per row of the result, as nvmath's BIAS epilog broadcasts it."""
@@ -106,7 +149,12 @@ def v3(dev, d, case):
     return lambda: plan.execute(stream=stream)
 
 
-VERSIONS = {1: ("fill/kernel + cuBLAS", v1), 2: ("cuBLASLt, our ctypes", v2), 3: ("cuBLASLt, nvmath-python", v3)}
+VERSIONS = {1: ("fill, kernels + cuBLAS (fast set)",
+                around_cublas(fast_matmul.matmul_forward, fast_gelu.gelu_forward, fast_gelu.gelu_backward, column_sum)),
+            2: ("units fill, kernels + cuBLAS (candidate)",
+                around_cublas(matmul_forward_units, gelu_forward_units, gelu_backward_units, column_sum_units)),
+            3: ("cuBLASLt, our ctypes (candidate)", lt),
+            4: ("cuBLASLt, nvmath-python (candidate)", nvmath)}
 
 
 def cases(cfg, B):
