@@ -5,12 +5,9 @@ written, master, m, v 4 read + 4 written each).
 
     python dev/adamw.py [--model d48] [VERSION ...]
 
-version 1: llmz.kernels.adamw (teaching): one thread per element, the update in float64
-version 2: llmz.fast.adamw (today's fast set): words of two elements, four a thread, the update in float64:
-           bound by its three float64 divisions, square root and seven conversions an element (d48: 16.3 ms
-           a step, 62% of the 28 bytes' ceiling)
-version 3: a unit of 8 elements a thread (16-byte loads, dev/vectors.py), the update in float32 as llm.c and
-           PyTorch's fused AdamW. Predicted at d48: 11.9 ms (85%). Not yet run on a GPU.
+version 1: teaching (llmz.kernels.adamw): a thread an element, float64 update
+version 2: fast set (llmz.fast.adamw): words of two, four a thread, float64 update (d48: 16.3 ms a step, 62%)
+version 3: a unit of 8 a thread, float32 update (llm.c's); predicts d48 11.9 ms (85%); not yet run on a GPU
 Sizes: every parameter of d12, the first 200M of the larger models.
 """
 import math

@@ -5,13 +5,9 @@ the logits read once and written once (fused), read once (losses): what a kernel
 
     python dev/classifier.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.classifier (teaching): the forward (three reads of the row, a probs buffer) then the
-           backward
-version 2: llmz.fast.classifier (today's fast set): one block a row, max and sum in one read, the dlogits in a
-           second read (mostly from L2), words of two (d12: 2.75 ms a step at 12.5% of the copy ceiling)
-version 3: the row in registers (bf16; a block of 1024 threads, 7 units of 8 a thread at Vp = 50304, 16-byte
-           loads, dev/vectors.py), exp on ex2.approx, one read and one write. Predicted: fused 590 us (65%: one
-           block an SM), losses 260 us (75%) at B*T = 8192. Not yet run on a GPU.
+version 1: teaching (llmz.kernels.classifier): forward (three reads, a probs buffer), then backward
+version 2: fast set (llmz.fast.classifier): a block a row, two reads, words of two (d12: 2.75 ms, 12.5%)
+version 3: bf16 row in registers, one read, one write; predicts fused 590 us (65%); not yet run on a GPU
 The rows of every model size are alike (Vp is the vocabulary's): the sizes differ only in B*T.
 """
 import functools

@@ -4,15 +4,9 @@ against the float64 reference on fresh random bf16 inputs and timed at the bias 
 
     python dev/column_sum.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.matmul.matmul_backward_bias_kernel (teaching): one thread per column over all N rows,
-           float64
-version 2: llmz.fast.column_sum (today's fast set): two stages in one launch, strips of 64 columns read as
-           words of two (4-byte loads: a warp reads 128 bytes of a row), chunks of 256 rows, 8 loads in flight
-           a thread, stage 2 in each strip's last block (d48: ~71 us a call, 18% of the copy ceiling)
-version 3: strips of 256 columns in units of 8 (16-byte loads, dev/vectors.py: a warp reads 512 bytes of a
-           row), at most 32 chunks of >= 64 rows, 4 rows in flight a thread, the same two stages and fixed
-           order; also takes layernorm's per-team partial rows into dweight and dbias (dev/layernorm.py's
-           version 3). Predicted at d48 (fc bias, N x 4C): 30 us (80%). Not yet run on a GPU.
+version 1: teaching (llmz.kernels.matmul's bias kernel): a thread a column over all rows, float64
+version 2: fast set (llmz.fast.column_sum): 64-column strips of words, 2 stages in 1 launch (d48: ~71 us, 18%)
+version 3: 256-column strips of units, 4 rows in flight; predicts d48 fc bias 30 us; not yet run on a GPU
 """
 import os
 import sys

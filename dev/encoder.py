@@ -6,16 +6,9 @@ longest run is the kernel's critical path).
 
     python dev/encoder.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.encoder (teaching): a thread per element; the wte backward a thread per channel walking
-           every position
-version 2: llmz.fast.encoder (today's fast set; its forward and wpe backward are version 1's): the wte
-           backward over the positions sorted by token (a block per token run, a thread per channel, the run's
-           positions one after another, 2-byte loads)
-version 3: units of 8 (16-byte loads, dev/vectors.py): the forward two units a thread; the wte backward a block
-           per (run, 256 channels), the run's positions split over 4 warps, 4 in flight a warp (a frequent
-           token's long run read by all the warps at once); the wpe backward a thread per (t, unit). Predicted:
-           near the copy ceiling for uniform tokens; for Zipf tokens the longest run's time / 4. Not yet run on a
-           GPU.
+version 1: teaching (llmz.kernels.encoder): a thread an element; wte backward a thread a channel
+version 2: fast set (llmz.fast.encoder; fwd and wpe bwd are v1's): wte backward by token buckets, 2-byte loads
+version 3: units; wte backward 4 warps a token run; predicts near the ceiling (uniform); not yet run on a GPU
 """
 import os
 import sys

@@ -4,12 +4,9 @@ MLP's (B*T, 4C) of d12..d48, a table last (dev/harness.py).
 
     python dev/gelu.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.gelu (teaching): one thread per element, libdevice tanhf
-version 2: llmz.fast.gelu (today's fast set): words of two elements, four a thread; bound by tanhf's ~25
-           instructions an element in bf16 (d48 backward: 246 us a call, 27% of the copy ceiling)
-version 3: units of 8 (16-byte loads, dev/vectors.py), two a thread; 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)) on
-           ex2.approx and rcp.approx. Predicted at d48: forward 57 us, backward 86 us (85%). Not yet run on
-           a GPU.
+version 1: teaching (llmz.kernels.gelu): a thread an element, libdevice tanhf
+version 2: fast set (llmz.fast.gelu): words of two, four a thread; tanhf-bound in bf16 (d48 bwd: 246 us, 27%)
+version 3: units of 8, exp/rcp on ex2/rcp.approx; predicts d48 fwd 57, bwd 86 us (85%); not yet run on a GPU
 """
 import math
 import os

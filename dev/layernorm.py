@@ -4,18 +4,10 @@ bf16 inputs and timed at d12..d48 (B*T rows of C channels), a table last (dev/ha
 
     python dev/layernorm.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.layernorm (teaching): a block per row, float64 per element; dweight and dbias one
-           thread per channel over all rows
-version 2: llmz.fast.layernorm (today's fast set): a warp per row, the row in registers as 2-byte loads (C <=
-           1024) or three strided passes with float64 sums (C > 1024); dweight/dbias a second kernel, 2-byte
-           loads of 32-column strips (d48: forward 109 us a call, 11% of the copy ceiling; backward 528 us, 5%)
-version 3: kernels built per C (llm.c's templates), the row in registers as 16-byte units (dev/vectors.py) at
-           every width; the backward one pass (dinp, and dweight/dbias partial sums per team of warps, then
-           dev/column_sum.py's version 3). Predicted at d48: forward 15 us (80%), backward 33 us (75%). Not
-           yet run on a GPU.
-version 4: (the residual case) residual add and layernorm forward in one kernel (llm.c's
-           fused_residual_forward5), version 3's forward with a second input, against two kernels. Predicted
-           at d48: 30 us (80%) where versions 2's residual + layernorm take 18 + 109 us. Not yet run on a GPU.
+version 1: teaching (llmz.kernels.layernorm): a block a row, float64; dweight/dbias a thread a channel
+version 2: fast set (llmz.fast.layernorm): a warp a row, 2-byte loads (d48: fwd 109 us, 11%; bwd 528 us, 5%)
+version 3: per-C kernels on units, one-pass backward; predicts d48 fwd 15 us, bwd 33 us; not yet run on a GPU
+version 4: the residual fused into v3's forward; predicts d48 30 us against 18 + 109 us; not yet run on a GPU
 The fused case's reference is here (the residual rounded to bf16, then llmz.kernels.layernorm's
 layernorm_forward_ref): no layer of the model calls the fused forward yet.
 """

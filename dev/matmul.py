@@ -12,16 +12,11 @@ cases (N = B*T rows):
   dgelu            fcproj's backward into the GELU's input: dfch = (dout (N,C) @ Wp (C,4C)) * gelu'(fch)
   dW + bias grad   qkv's weight gradient and bias gradient: dW (3C,C) += dout (N,3C).T @ inp, dbias = sum of
                    dout's rows (from zero: cuBLASLt's gradient epilogues overwrite)
-version 1: llmz.fast (today's fast set): the bias fill kernel then cuBLAS accumulating onto it; the product
-           then llmz.fast.gelu's kernels; the product then llmz.fast.column_sum (d48: bias fills 6.6 ms a step)
-version 2: version 1 with the unit candidates: the bias fill on 16-byte stores (a block of up to 256 threads
-           sized to the units); dev/gelu.py's and dev/column_sum.py's version 3. Predicted: the fill at the
-           store ceiling, GELU and the column sums as their scripts say. Not yet run on a GPU.
-version 3: dev/cublaslt.py's matmul_lt: cuBLASLt through our ctypes handle, the epilogue in the product (no
-           fill, no GELU or column-sum pass). Not yet run on a GPU.
-version 4: nvmath-python's Matmul (planned once, executed per call; torch bf16 tensors over the same memory),
-           the same epilogues (its result is a new tensor: the copy into the checked array is not timed).
-           Predicted: version 3's times within noise (the same cuBLASLt kernels). Not yet run on a GPU.
+version 1: fast set (llmz.fast.matmul): bias fill, cuBLAS, the GELU / column-sum kernels (d48 fills 6.6 ms)
+version 2: v1 with the unit candidates (fill on 16-byte stores, gelu and column_sum v3); not yet run on a GPU
+version 3: cuBLASLt epilogues through our ctypes binding (dev/cublaslt.py); not yet run on a GPU
+version 4: the same epilogues through nvmath-python; predicts v3's times within noise; not yet run on a GPU
+(v4's result is a new tensor: its copy into the checked array is not timed.)
 Bytes: the product's operands and results once each (the rate column is not the point here: compare us).
 """
 import os

@@ -4,10 +4,9 @@ last (dev/harness.py). (The forward fused into the next layernorm: dev/layernorm
 
     python dev/residual.py [--model d48] [-b 8] [VERSION ...]
 
-version 1: llmz.kernels.residual (teaching): one thread per element
-version 2: llmz.fast.residual (today's fast set): words of two elements, four a thread
-version 3: units of 8 (16-byte loads, dev/vectors.py), two a thread; the teaching bits. Predicted at d48:
-           forward 21 us, backward 36 us (85% of the copy ceiling). Not yet run on a GPU.
+version 1: teaching (llmz.kernels.residual): a thread an element
+version 2: fast set (llmz.fast.residual): words of two elements, four a thread
+version 3: units of 8, two a thread (teaching bits); predicts d48 fwd 21, bwd 36 us; not yet run on a GPU
 """
 import os
 import sys
