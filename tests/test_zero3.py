@@ -1,6 +1,7 @@
-"""ZeRO stage 3 (llmz.zero.Stage3): on N ranks against one process with the union batch and against stage 2
-bit for bit (cpu, float64 and bf16, under mpiexec); its memory report against the formula; the all-gathers
-it runs, their order and bytes; the prefetch seen in its timeline; the parameter store the model asks."""
+"""ZeRO stage 3 (llmz.zero.params.GatheredParameters): on N ranks against one process with the union batch and
+against stage 2 bit for bit (cpu, float64 and bf16, under mpiexec); its memory report against the formula; the
+all-gathers it runs, their order and bytes; the prefetch seen in its timeline; the parameter store the model
+asks."""
 import json
 import subprocess
 import sys
@@ -133,25 +134,27 @@ def test_one_rank_stage3_equals_stage2_bit_for_bit(precision):
 def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_order():
     run = make_run(3)
     z = run.zero
+    store = z.param_store                               # the parameter store: what the model's p.bucket(b) asks
+    assert z.pviews is store
     asked = []
-    real = z.param_bucket
+    real = store.bucket
 
     def spy(b):
         asked.append(b)
         return real(b)
-    z.param_bucket = spy
+    store.bucket = spy
     # a forward-only pass (validation, sampling): every block once, in order, the next one gathered ahead
     run.next_batch(run.train_loader)
     z.all_gathers.clear()
     run.model.forward(z.pviews, run.x, run.y)
     assert asked == [0, 1, 2, 3]
-    assert z.all_gathers == ["block0", "block1"] and z.prefetched is None
+    assert z.all_gathers == ["block0", "block1"] and store.prefetched is None
     # a training micro-step: forward, then backward from block L-1 down, each block gathered again
     asked.clear()
     z.all_gathers.clear()
     run.micro_step()
     assert asked == [0, 1, 2, 3] + [0, 3, 2, 1]
-    assert z.all_gathers == ["block0", "block1", "block1", "block0"] and not z.in_backward
+    assert z.all_gathers == ["block0", "block1", "block1", "block0"] and not store.in_backward
 
 
 def test_stage3_parameter_path_makes_no_event_and_allocates_nothing_after_start_up(monkeypatch):
