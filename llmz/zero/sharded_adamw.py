@@ -41,9 +41,9 @@ class ShardedAdamW:
         self.ctx, self.opt, self.sharded = ctx, opt, sharded
         dev, L = ctx.dev, ctx.layout
         n = L.shard_total if sharded else L.total
-        state_dtype = np.float32 if ctx.bf16 else None      # None: the values' dtype
-        self.master = None
-        if ctx.bf16:
+        state_dtype, self.master = None, None               # m and v in the values' dtype, no master copy
+        if ctx.bf16:                                        # bf16 values: an fp32 master, and m and v in fp32
+            state_dtype = np.float32
             self.master = ctx.zeros("optimizer_state", n, np.float32)
             dev.copy_from_host(self.master, owned_values(params_host, self.owned_ranges()).astype(np.float32))
         self.m = ctx.zeros("optimizer_state", n, state_dtype)

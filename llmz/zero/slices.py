@@ -28,18 +28,18 @@ def state_slices(optimizer, params_host: np.ndarray) -> dict[str, np.ndarray]:
     the N ranks' slices make the whole). params_host: the full host parameters. bf16: the full-precision
     parameters are the fp32 master, which holds slice r at every stage."""
     ctx = optimizer.ctx
-    L, dev = ctx.layout, ctx.dev
-    m, v = dev.to_host(optimizer.m), dev.to_host(optimizer.v)
-    master = dev.to_host(optimizer.master) if ctx.bf16 else None
-    out: dict[str, list] = {"params": [], "m": [], "v": []}
+    ranges = optimizer.owned_ranges()
+    # what the optimizer owns, laid out as m and v are: the ranges one after another
+    owned = {"params": ctx.dev.to_host(optimizer.master) if ctx.bf16 else owned_values(params_host, ranges),
+             "m": ctx.dev.to_host(optimizer.m), "v": ctx.dev.to_host(optimizer.v)}
+    out: dict[str, list] = {name: [] for name in owned}
     at = 0
-    for b, s0, e0 in optimizer.owned_ranges():
-        s, e = L.shard_range(b, ctx.rank)
-        out["params"].append(master[at + s - s0:at + e - s0] if ctx.bf16 else params_host[b.offset + s:b.offset + e])
-        out["m"].append(m[at + s - s0:at + e - s0])
-        out["v"].append(v[at + s - s0:at + e - s0])
+    for b, s0, e0 in ranges:
+        s, e = ctx.layout.shard_range(b, ctx.rank)      # slice r of the bucket, inside the owned [s0, e0)
+        for name, x in owned.items():
+            out[name].append(x[at + s - s0:at + e - s0])
         at += e0 - s0
-    return {k: np.concatenate(x) for k, x in out.items()}
+    return {name: np.concatenate(x) for name, x in out.items()}
 
 
 def load_optimizer_state(optimizer, m_owned: np.ndarray, v_owned: np.ndarray) -> None:
