@@ -35,9 +35,11 @@ the same bits (no atomics anywhere).
 Promotion (done): llmz.fast.flash_attention runs version 5's forward and version 4's backward (the best of
 each column on an H200): flash_forward_mma_kernel is version 5's forward, flash_dq_mma_kernel the 128-row,
 8-warp dq, flash_dkv_mma_kernel the 64-row, 4-warp dk/dv, flash_rowsum_kernel the 16-byte-load rowsum, as
-module-level kernels with their block shapes as module constants. This file imports them, and builds the
-earlier versions' other block shapes from the same bodies (reshaped below), so no kernel's source is here
-twice; what was never promoted (version 1, the 16-rows-a-warp forward) lives only in dev/.
+module-level kernels with their block shapes as module constants, each composed from llmz.fast's device
+functions (FlashAttention-2's steps). This file imports them and builds the earlier versions' block shapes
+from the same bodies (reshaped below: the 16-rows-a-warp forward is FWD_TILES = 1), and version 1
+(dev/flash_attention_v1.py) composes the same device functions around its own staging, so no kernel's
+source is here twice.
 Kernel sizes: python tools/flash_ptx.py --dev (ptxas registers, spills, shared memory; no GPU needed).
 """
 import math
@@ -47,7 +49,6 @@ import time
 import traceback
 import types
 
-import numba
 import numpy as np
 from numba import cuda
 
@@ -58,173 +59,16 @@ from llmz.device import ceil_div
 from llmz.fast import flash_attention as fa
 from llmz.fast.device_helpers import pair_view
 from llmz.fast.flash_attention import (
-    BC,
-    BUF_WORDS,
-    FULL,
     HS,
     LOG2E,
-    NEG,
-    ONE,
-    PAD,
     SCALE,
-    TILE_BYTES,
-    WORDS,
-    ZERO,
     causal_flops,
-    copy_tile,
     launch_bounds,
-    rows_lane,
-    trans_lane,
 )
-from llmz.fast.mma import (
-    cp_async_commit,
-    cp_async_wait,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
-    pack_bf16x2,
-    shared_address,
-)
-from llmz.fast.mma import mma_m16n8k16_bf16 as mma
+from tools.flash_check import TOL, errors, rel, time_ms, time_sdpa
 
 
-# ---- versions 2, 3, 4, 6's forward: cp.async double buffering, ldmatrix fragments, 16 rows a warp --------
-def make_forward(warps, blocks):
-    """The forward kernel for blocks of 16*warps query rows (warp w: rows 16w..16w+15), streamed key tiles of
-    BC rows, launch-bounded for `blocks` blocks an SM. (llmz.fast's forward is version 5's: 32 rows a warp.)"""
-    BR = 16 * warps             # the block's own rows
-    NT = 32 * warps
-
-    @cuda.jit(fastmath=True, **launch_bounds(NT, blocks))
-    def forward(out, lse, inp, scale_log2):
-        # out (B,T,C/2), inp (B,T,3C/2) words; lse (B,NH,T) float32. Block (query tile of BR rows, h, b), the
-        # longest first. Overwrites out and lse.
-        T, W, C2 = inp.shape[1], inp.shape[2], out.shape[2]
-        qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        w0 = qt * BR + 16 * warp                    # the warp's first row
-        ra = w0 + g
-        rb = ra + 8
-        hq = h * WORDS
-        smem = cuda.shared.array(BUF_WORDS, numba.uint32)     # buffer s: K tile 2s, V tile 2s+1
-        base = shared_address(smem, 0)
-        ka = base + 4 * rows_lane(lane, PAD)        # the lane's ldmatrix row addresses in buffer 0
-        va = base + TILE_BYTES + 4 * trans_lane(lane, PAD)
-        nkt = (min(qt * BR + BR, T) - 1) // BC + 1  # key tiles up to the block's last row
-        copy_tile(base, inp, b, 0, C2 + hq, T, W, tid, NT)
-        copy_tile(base + TILE_BYTES, inp, b, 0, 2 * C2 + hq, T, W, tid, NT)
-        cp_async_commit()
-        qf = cuda.local.array(16, numba.uint32)     # Q as A fragments (4 k-steps), for the whole kernel
-        for kk in range(4):
-            qf[4 * kk] = inp[b, ra, hq + 8 * kk + t] if ra < T else ZERO
-            qf[4 * kk + 1] = inp[b, rb, hq + 8 * kk + t] if rb < T else ZERO
-            qf[4 * kk + 2] = inp[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
-            qf[4 * kk + 3] = inp[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
-        o = cuda.local.array(32, numba.float32)
-        s = cuda.local.array(32, numba.float32)
-        pf = cuda.local.array(16, numba.uint32)
-        for i in range(32):
-            o[i] = 0.0
-        ma = numba.float32(NEG)
-        mb = numba.float32(NEG)
-        la = numba.float32(0.0)
-        lb = numba.float32(0.0)
-        for kt in range(nkt):
-            cp_async_wait(0)
-            cuda.syncthreads()                      # tile kt is in; every warp is done with tile kt-1
-            if kt + 1 < nkt:                        # its buffer takes tile kt+1 while tile kt is used
-                nxt = base + ((kt + 1) % 2) * 2 * TILE_BYTES
-                copy_tile(nxt, inp, b, (kt + 1) * BC, C2 + hq, T, W, tid, NT)
-                copy_tile(nxt + TILE_BYTES, inp, b, (kt + 1) * BC, 2 * C2 + hq, T, W, tid, NT)
-                cp_async_commit()
-            k0 = kt * BC
-            if k0 <= w0 + 15:                       # some key of the tile is at or before the warp's rows
-                off = (kt % 2) * 2 * TILE_BYTES
-                # S = Q K^T: ldmatrix gives n-tile j's B fragments for two k-steps
-                for i in range(32):
-                    s[i] = 0.0
-                for kp in range(2):
-                    for j in range(8):
-                        b0, b1, b2, b3 = ldmatrix_x4(ka + off + 4 * (8 * j * PAD + 16 * kp))
-                        s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                            qf[8 * kp], qf[8 * kp + 1], qf[8 * kp + 2], qf[8 * kp + 3], b0, b1,
-                            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                        s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                            qf[8 * kp + 4], qf[8 * kp + 5], qf[8 * kp + 6], qf[8 * kp + 7], b2, b3,
-                            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                if k0 + BC - 1 > w0:                # the causal mask (keys past T are past every row < T)
-                    for j in range(8):
-                        u = k0 + 8 * j + 2 * t
-                        if u > ra:
-                            s[4 * j] = NEG
-                        if u + 1 > ra:
-                            s[4 * j + 1] = NEG
-                        if u > rb:
-                            s[4 * j + 2] = NEG
-                        if u + 1 > rb:
-                            s[4 * j + 3] = NEG
-                xa, xb = ma, mb
-                for j in range(8):
-                    xa = max(xa, max(s[4 * j], s[4 * j + 1]))
-                    xb = max(xb, max(s[4 * j + 2], s[4 * j + 3]))
-                xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 1))
-                xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 2))
-                xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 1))
-                xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 2))
-                alpha_a = math.exp2((ma - xa) * scale_log2)
-                alpha_b = math.exp2((mb - xb) * scale_log2)
-                ma, mb = xa, xb
-                la *= alpha_a
-                lb *= alpha_b
-                for j in range(8):
-                    o[4 * j] *= alpha_a
-                    o[4 * j + 1] *= alpha_a
-                    o[4 * j + 2] *= alpha_b
-                    o[4 * j + 3] *= alpha_b
-                sa, sb = ma * scale_log2, mb * scale_log2
-                for j in range(8):
-                    s[4 * j] = math.exp2(s[4 * j] * scale_log2 - sa)
-                    s[4 * j + 1] = math.exp2(s[4 * j + 1] * scale_log2 - sa)
-                    s[4 * j + 2] = math.exp2(s[4 * j + 2] * scale_log2 - sb)
-                    s[4 * j + 3] = math.exp2(s[4 * j + 3] * scale_log2 - sb)
-                    la += s[4 * j] + s[4 * j + 1]
-                    lb += s[4 * j + 2] + s[4 * j + 3]
-                for kk in range(4):
-                    pf[4 * kk] = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
-                    pf[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
-                    pf[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
-                    pf[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
-                # O += P V: ldmatrix .trans gives k-step kk's B fragments for n-tiles 2jp, 2jp+1
-                for kk in range(4):
-                    for jp in range(4):
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(va + off + 4 * (16 * kk * PAD + 8 * jp))
-                        o[8 * jp], o[8 * jp + 1], o[8 * jp + 2], o[8 * jp + 3] = mma(
-                            pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3], b0, b1,
-                            o[8 * jp], o[8 * jp + 1], o[8 * jp + 2], o[8 * jp + 3])
-                        o[8 * jp + 4], o[8 * jp + 5], o[8 * jp + 6], o[8 * jp + 7] = mma(
-                            pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3], b2, b3,
-                            o[8 * jp + 4], o[8 * jp + 5], o[8 * jp + 6], o[8 * jp + 7])
-        la += cuda.shfl_xor_sync(FULL, la, 1)
-        la += cuda.shfl_xor_sync(FULL, la, 2)
-        lb += cuda.shfl_xor_sync(FULL, lb, 1)
-        lb += cuda.shfl_xor_sync(FULL, lb, 2)
-        ia, ib = ONE / la, ONE / lb
-        for j in range(8):
-            if ra < T:
-                out[b, ra, hq + 4 * j + t] = pack_bf16x2(o[4 * j] * ia, o[4 * j + 1] * ia)
-            if rb < T:
-                out[b, rb, hq + 4 * j + t] = pack_bf16x2(o[4 * j + 2] * ib, o[4 * j + 3] * ib)
-        if t == 0 and ra < T:
-            lse[b, h, ra] = (ma * scale_log2 + math.log2(la)) / LOG2E
-        if t == 0 and rb < T:
-            lse[b, h, rb] = (mb * scale_log2 + math.log2(lb)) / LOG2E
-
-    return forward
-
-
-# ---- the backward kernels at other block shapes: llmz.fast's bodies, recompiled ----------------------------
+# ---- the kernels at other block shapes: llmz.fast's bodies, recompiled -----------------------------------
 def reshaped(kernel, threads, blocks, **constants):
     """`kernel`, a llmz.fast.flash_attention kernel, compiled again with other values of its module's
     constants (Numba reads a kernel's globals when it compiles it, from the function's __globals__): the
@@ -233,6 +77,13 @@ def reshaped(kernel, threads, blocks, **constants):
     body = types.FunctionType(f.__code__, {**f.__globals__, **constants}, f.__name__, f.__defaults__,
                               f.__closure__)
     return cuda.jit(fastmath=True, **launch_bounds(threads, blocks))(body)
+
+
+def forward_kernel(warps, blocks):
+    """llmz.fast's forward kernel for blocks of 16*warps query rows, one row tile of 16 a warp (versions 2-4
+    and 6; llmz.fast's, version 5's, has two), bounded for `blocks` blocks an SM."""
+    return reshaped(fa.flash_forward_mma_kernel, 32 * warps, blocks, FWD_TILES=1, FWD_ROWS=16 * warps,
+                    FWD_THREADS=32 * warps)
 
 
 def dq_kernel(warps, blocks):
@@ -245,8 +96,8 @@ def dkv_kernel(warps, blocks):
     return reshaped(fa.flash_dkv_mma_kernel, 32 * warps, blocks, DKV_ROWS=16 * warps, DKV_THREADS=32 * warps)
 
 
-FWD64 = make_forward(4, blocks=4)                   # versions 2 and 6
-FWD128 = make_forward(8, blocks=2)                  # versions 3 and 4
+FWD64 = forward_kernel(4, blocks=4)                 # versions 2 and 6
+FWD128 = forward_kernel(8, blocks=2)                # versions 3 and 4
 DQ64 = dq_kernel(4, blocks=3)                       # version 2
 DQ64B2 = dq_kernel(4, blocks=2)                     # version 6 (no spills)
 DKV128 = dkv_kernel(8, blocks=1)                    # version 3
@@ -324,32 +175,6 @@ def reference(x, dy, NH, dinp0=None, xp=np):
 
 
 # ---- checks and timings ------------------------------------------------------------------------------------
-TOL = {"out": 1e-2, "lse": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2}    # tools/flash_check.py's
-
-
-def errors(got, want, C, dinp0=None):
-    """Norm-wise relative errors of out, dq, dk, dv (of what was added, when accumulating onto dinp0) and
-    the max |lse error|, as tools/flash_check.py computes them."""
-    from llmz.bf16 import bf16_to_f32
-    out, lse, dinp = got
-    errs = {"out": rel(bf16_to_f32(out), want[0]), "lse": float(np.max(np.abs(lse - want[1])))}
-    d, w = bf16_to_f32(dinp).astype(np.float64), want[2]
-    if dinp0 is not None:
-        base = bf16_to_f32(dinp0).astype(np.float64)
-        d, w = d - base, w - base
-    floor = 1e-3 * np.linalg.norm(w)
-    for i, part in enumerate(("dq", "dk", "dv")):
-        x, y = d[..., i * C:(i + 1) * C], w[..., i * C:(i + 1) * C]
-        errs[part] = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), floor))
-    finite = all(np.all(np.isfinite(bf16_to_f32(a))) for a in (out, dinp)) and bool(np.all(np.isfinite(lse)))
-    return errs, finite
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
 def run(dev, version, inp, dout, NH, dinp0=None):
     """One forward + backward of `version` on poisoned outputs: (out bits, lse, dinp bits) on the host."""
     _, forward, backward = VERSIONS[version]
@@ -364,19 +189,6 @@ def run(dev, version, inp, dout, NH, dinp0=None):
     backward(dev, dinp, dev.asarray(dout), x, out, lse, dsum, NH, dinp0 is not None)
     dev.synchronize()
     return dev.to_host(out), dev.to_host(lse), dev.to_host(dinp)
-
-
-def time_ms(dev, fn, reps=10):
-    import cupy
-    fn()
-    dev.synchronize()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record(dev.compute_stream.cupy)
-    for _ in range(reps):
-        fn()
-    e1.record(dev.compute_stream.cupy)
-    e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / reps
 
 
 def setup(rng):
@@ -493,34 +305,6 @@ def run_versions(versions):
     return rows
 
 
-def time_sdpa():
-    """(name, forward ms, backward ms) of PyTorch's SDPA at the timed shape, or None without torch."""
-    try:
-        import torch
-        import torch.nn.functional as F
-        B, T, NH = TIMED
-        q, k, v = (torch.randn(B, NH, T, HS, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        g = torch.randn(B, NH, T, HS, device="cuda", dtype=torch.bfloat16)
-
-        def tm(fn, reps=10):
-            fn()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(reps):
-                fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1) / reps
-        f = tm(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        both = tm(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g))
-        return f"torch {torch.__version__} SDPA", f, both - f
-    except Exception as e:  # noqa: BLE001
-        print(f"(no torch SDPA timing: {type(e).__name__}: {e})")
-        return None
-
-
 def registers():
     """Registers a thread of each compiled kernel (what the GPU's driver reports)."""
     regs = []
@@ -542,7 +326,7 @@ def main(argv) -> int:
     t_start = time.time()
     child = "--child" in argv
     versions = [int(a) for a in argv if a != "--child"] or sorted(VERSIONS)
-    sdpa = None if child else time_sdpa()      # first: a version that breaks the context cannot stop it
+    sdpa = None if child else time_sdpa(*TIMED, HS)     # first: a version that breaks the context cannot stop it
     rows = run_versions(versions)
     if child:                                   # rows for the parent, one JSON line each
         for row in rows:

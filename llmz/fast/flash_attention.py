@@ -122,6 +122,17 @@ copy_chunk = cuda.jit(device=True, inline=True)(tile_copy_chunk)
 
 
 @cuda.jit(device=True, inline=True)
+def block_rows(rows, warp_rows, last_first):
+    # (tid, lane, h, b, r0, w0): this thread; its block's head, batch and first row r0 (block (x, h, b) owns
+    # `rows` rows, the last x first when last_first: the longest causal rows start first); its warp's first
+    # row w0 (each warp owns `warp_rows` rows)
+    x = cuda.gridDim.x - 1 - cuda.blockIdx.x if last_first else cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    r0 = x * rows
+    return tid, tid % 32, cuda.blockIdx.y, cuda.blockIdx.z, r0, r0 + warp_rows * (tid // 32)
+
+
+@cuda.jit(device=True, inline=True)
 def copy_tile(dst, x, b, r0, w0, tid, nthreads):
     # shared tile at byte address dst <- words w0..w0+WORDS of rows r0..r0+BC of x[b] (x (B,T,W) words), rows
     # past T zero-filled: cp.async, BC * CHUNKS // nthreads 16-byte copies a thread (mma.tile_copy_chunk)
@@ -334,6 +345,17 @@ def row_stats(lse, dsum, b, h, r):
 
 
 @cuda.jit(device=True, inline=True)
+def load_query_rows(qf, dof, inp, dout, lse, dsum, b, h, r0, lane):
+    # "Load Q_i, dO_i, L_i, D_i" for the query rows r0+g, r0+g+8: Q's and dO's A fragments into qf and dof;
+    # returns their (L, D) as row_stats gives them: (la, lb, da, db)
+    load_fragments(qf, 0, inp, b, r0, h * WORDS, lane)
+    load_fragments(dof, 0, dout, b, r0, h * WORDS, lane)
+    la, da = row_stats(lse, dsum, b, h, r0 + lane // 4)
+    lb, db = row_stats(lse, dsum, b, h, r0 + lane // 4 + 8)
+    return la, lb, da, db
+
+
+@cuda.jit(device=True, inline=True)
 def recompute_p(s, x, l0, l1, transposed, scale_log2):
     # Algorithm 2's P = exp(S - L) on the C fragment s[x..x+3] = (row g, col 2t), (g, 2t+1), (g+8, 2t),
     # (g+8, 2t+1), into s: L (log2 units) is l0 for row g and l1 for row g+8, or (transposed: S^T, whose
@@ -378,16 +400,12 @@ def flash_forward_mma_kernel(out, lse, inp, scale_log2):
     # longest rows (last query tile) first; warp w: FWD_TILES row tiles from its first row w0, key tiles in
     # order up to the diagonal (Algorithm 1). Overwrites out and lse.
     T, C2 = inp.shape[1], out.shape[2]
-    qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    w0 = qt * FWD_ROWS + 16 * FWD_TILES * (tid // 32)
+    tid, lane, h, b, r0, w0 = block_rows(FWD_ROWS, 16 * FWD_TILES, True)
     hq, hk, hv = h * WORDS, C2 + h * WORDS, 2 * C2 + h * WORDS
     smem = cuda.shared.array(BUF_WORDS, numba.uint32)     # buffer n: K tile 2n, V tile 2n+1
     base = shared_address(smem, 0)
     k_rows, v_trans = rows_address(base, lane), trans_address(base + TILE_BYTES, lane)
-    nkt = (min(qt * FWD_ROWS + FWD_ROWS, T) - 1) // BC + 1     # key tiles up to the block's last row
+    nkt = (min(r0 + FWD_ROWS, T) - 1) // BC + 1     # key tiles up to the block's last row
     load_tiles(base, inp, hk, inp, hv, b, 0, tid, FWD_THREADS)
     qf = cuda.local.array(32, numba.uint32)     # Q_i: row tile i's A fragments at [16i..] (FWD_TILES <= 2)
     o = cuda.local.array(64, numba.float32)     # O_i at [32i..]
@@ -449,24 +467,17 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
     #   S = Q K^T, P = exp(S - L), dP = dO V^T, dS = P o (dP - D), dQ += scale dS K
     # (+)= into dinp's q part (accumulate=False: overwrites).
     T, C2 = inp.shape[1], dout.shape[2]
-    qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    w0 = qt * DQ_ROWS + 16 * (tid // 32)
+    tid, lane, h, b, r0, w0 = block_rows(DQ_ROWS, 16, True)
     hq, hk, hv = h * WORDS, C2 + h * WORDS, 2 * C2 + h * WORDS
     smem = cuda.shared.array(BUF_WORDS, numba.uint32)     # buffer n: K tile 2n, V tile 2n+1
     base = shared_address(smem, 0)
     k_rows, k_trans = rows_address(base, lane), trans_address(base, lane)
     v_rows = rows_address(base + TILE_BYTES, lane)
-    nkt = (min(qt * DQ_ROWS + DQ_ROWS, T) - 1) // BC + 1
+    nkt = (min(r0 + DQ_ROWS, T) - 1) // BC + 1
     load_tiles(base, inp, hk, inp, hv, b, 0, tid, DQ_THREADS)
     qf = cuda.local.array(16, numba.uint32)     # Q_i and dO_i as A fragments
     dof = cuda.local.array(16, numba.uint32)
-    load_fragments(qf, 0, inp, b, w0, hq, lane)
-    load_fragments(dof, 0, dout, b, w0, hq, lane)
-    la, da = row_stats(lse, dsum, b, h, w0 + lane // 4)
-    lb, db = row_stats(lse, dsum, b, h, w0 + lane // 4 + 8)
+    la, lb, da, db = load_query_rows(qf, dof, inp, dout, lse, dsum, b, h, w0, lane)
     dq = cuda.local.array(32, numba.float32)
     s = cuda.local.array(32, numba.float32)     # S, then P
     dp = cuda.local.array(32, numba.float32)    # dP, then dS
@@ -494,22 +505,18 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
 
 @cuda.jit(fastmath=True, **launch_bounds(DKV_THREADS, DKV_BLOCKS_PER_SM))
 def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulate):
-    # As flash_dq_mma_kernel for dk and dv (Algorithm 2's outer loop): block (key tile of DKV_ROWS, h, b), the
-    # longest (first key tile) first; warp w: keys w0..w0+15; query tiles in order from the diagonal on:
-    #   S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T, dS^T = P^T o (dP^T - D), dV += P^T dO, dK += scale dS^T Q
-    # (+)= into dinp's k and v parts (accumulate=False: overwrites).
-    T, C2 = inp.shape[1], dout.shape[2]
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    w0 = cuda.blockIdx.x * DKV_ROWS + 16 * (tid // 32)
-    hq, hk, hv = h * WORDS, C2 + h * WORDS, 2 * C2 + h * WORDS
+    # As flash_dq_mma_kernel, for dk and dv (Algorithm 2's outer loop): block (key tile of DKV_ROWS, h, b); warp
+    # w: keys w0..w0+15, query tiles from the diagonal on: S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T,
+    # dS^T = P^T o (dP^T - D), dV += P^T dO, dK += scale dS^T Q. (+)= into dinp's k, v (accumulate=False: =).
     smem = cuda.shared.array(BUF_WORDS, numba.uint32)       # buffer n: Q tile 2n, dO tile 2n+1
     stats = cuda.shared.array(LSE_FLOATS, numba.float32)    # buffer n: L at [2n BC..], D at [(2n+1) BC..]
+    T, C2 = inp.shape[1], dout.shape[2]
+    tid, lane, h, b, r0, w0 = block_rows(DKV_ROWS, 16, False)
+    hq, hk, hv = h * WORDS, C2 + h * WORDS, 2 * C2 + h * WORDS
     base, sbase = shared_address(smem, 0), shared_address(stats, 0)
     q_rows, q_trans = rows_address(base, lane), trans_address(base, lane)
     do_rows, do_trans = rows_address(base + TILE_BYTES, lane), trans_address(base + TILE_BYTES, lane)
-    first = cuda.blockIdx.x * DKV_ROWS // BC    # the query tile of the block's first key (the diagonal)
+    first = r0 // BC                            # the query tile of the block's first key (the diagonal)
     nqt = (T - 1) // BC + 1 - first
     load_stats(sbase, lse, dsum, b, h, first * BC, tid)
     load_tiles(base, inp, hq, dout, hq, b, first * BC, tid, DKV_THREADS)
