@@ -32,6 +32,9 @@ The kernels, each with its own block shape (rows, warps, launch bounds: the modu
   flash_dq_mma_kernel        DQ_ROWS = 128 queries, 8 warps of 16: key tiles up to the diagonal,
                              S = Q K^T, dP = dO V^T, dq += dS K
   FA2's recomputation (P from lse, no T x T matrix), with dq in its own pass instead of FA2's dq atomics.
+Each kernel reads as the paper's algorithm: its lines are device functions (load_tiles, load_fragments,
+mma_a_bt for S = Q K^T, online_softmax, pack_a, mma_a_b for O += P V, recompute_p, causal_mask, compute_ds,
+store_rows), inlined, so a kernel compiles to the same instructions as one written out in full.
 Arrays arrive as uint32 words (two bf16 each): C/2 words a row of out, 3C/2 of inp, head h at words 32h.
 dev/flash_attention.py is this file's history: each version, checked and timed, from the first tensor-core
 kernels to these (python tools/flash_ptx.py [--dev]: registers, spills, shared memory without a GPU).
