@@ -585,3 +585,74 @@ def test_fragment_p_recompute_mask_and_ds_match_numpy(fdev, rng, transposed):
     assert np.all((s == 0) == ~keep)
     np.testing.assert_allclose(s, p, rtol=1e-5, atol=1e-30)
     np.testing.assert_allclose(dp, p * (dP - D), rtol=1e-5, atol=1e-6)
+
+
+# ---- the products at every head size and tile: llmz.fast's device functions, emulated warp-wide in NumPy ------
+def _emulated(smem, **constants):
+    """llmz.fast.flash_attention.compiled_with(**constants) with its device functions run as plain Python on
+    warp-wide values (each lane's register an array of the 32 lanes') and the PTX intrinsics emulated on the
+    shared words `smem` (the emulations above): the kernels' own fragment arithmetic, checkable without a GPU."""
+    mod = fa.compiled_with(**constants)
+    for name, obj in list(vars(mod).items()):
+        if hasattr(obj, "py_func"):                 # a cuda.jit function (a simulator or a GPU one)
+            setattr(mod, name, obj.py_func)
+
+    def ldmatrix(trans):
+        return lambda addr: tuple(_ldmatrix(smem, np.asarray(addr) // 4, trans).T)
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return tuple(_mma(np.stack([a0, a1, a2, a3], 1), np.stack([b0, b1], 1), np.stack([c0, c1, c2, c3], 1)).T)
+    mod.ldmatrix_x4, mod.ldmatrix_x4_trans, mod.mma, mod.pack_bf16x2 = ldmatrix(False), ldmatrix(True), mma, _pack
+    return mod
+
+
+@pytest.mark.parametrize("hs, bc, tiles", [(64, 64, 2), (32, 64, 2), (128, 32, 1), (64, 32, 1)])
+def test_fragment_products_make_qk_and_pv_at_every_head_size(rng, hs, bc, tiles):
+    # S = Q K^T (mma_a_bt, K's rows by ldmatrix) and O = P V (pack_a, then mma_a_b, V down its rows by ldmatrix
+    # .trans) for `tiles` row tiles of 16 queries, a streamed tile of bc keys, head size hs: the kernels'
+    # offsets and strides for every (HS, BC) they are compiled for, against NumPy's products
+    smem = np.zeros(2 * bc * (hs // 2 + 4), np.uint32)
+    f = _emulated(smem, HS=hs, BC=bc)
+    q, k, v = rand_bf16(rng, (16 * tiles, hs)), rand_bf16(rng, (bc, hs)), rand_bf16(rng, (bc, hs))
+    for tile, x in enumerate((k, v)):            # K's tile, then V's, rows of PAD words
+        smem.reshape(2, bc, f.PAD)[tile, :, :f.WORDS] = x.view(np.uint32)
+    lanes = np.arange(32)
+    g, t = lanes // 4, lanes % 4
+    qw = q.view(np.uint32)
+    a = np.zeros((f.A_HS * tiles, 32), np.uint32)   # Q's A fragments, as load_fragments lays them out
+    for i in range(tiles):
+        for kk in range(hs // 16):
+            for n, (r, c) in enumerate(((g, 0), (g + 8, 0), (g, 4), (g + 8, 4))):
+                a[f.A_HS * i + 4 * kk + n] = qw[16 * i + r, 8 * kk + c + t]
+    s = np.zeros((f.C_BC * tiles, 32))
+    f.mma_a_bt(s, a, f.rows_address(0, lanes), tiles)
+    p = rng.normal(size=s.shape)                # any P, in S's layout
+    pf = np.zeros((f.A_BC * tiles, 32), np.uint32)
+    f.pack_a(pf, p, tiles)
+    o = np.zeros((f.C_HS * tiles, 32))
+    f.mma_a_b(o, pf, f.trans_address(f.TILE_BYTES, lanes), tiles)
+    Q, K, V = (bf16_to_f32(x).astype(np.float64) for x in (q, k, v))
+    S = Q @ K.T
+    P = np.zeros(S.shape)
+    for i in range(tiles):                      # the P those registers hold: lane (g, t), rows g, g+8
+        for j in range(bc // 8):
+            for e in range(4):
+                r, c = 16 * i + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
+                np.testing.assert_allclose(s[f.C_BC * i + 4 * j + e], S[r, c], rtol=1e-12, atol=1e-12)
+                P[r, c] = bf16_to_f32(f32_to_bf16(p[f.C_BC * i + 4 * j + e])).astype(np.float64)
+    O = P @ V
+    for i in range(tiles):
+        for j in range(hs // 8):
+            for e in range(4):
+                r, c = 16 * i + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
+                np.testing.assert_allclose(o[f.C_HS * i + 4 * j + e], O[r, c], rtol=1e-12, atol=1e-12)
+
+
+def test_fallback_note_speaks_only_for_head_sizes_the_fast_kernels_do_not_cover():
+    # one line at start for bf16 --attention flash: none for GPT-2's head size 64 (d12..d48), a note for the
+    # sizes the teaching kernels take (small's 32), the refusal's text past what those hold (128)
+    assert fa.fast_flash_covers(64) and fa.fallback_note(64) is None
+    for hs in (32, 128):
+        note = fa.fallback_note(hs)
+        assert not fa.fast_flash_covers(hs) and f"head size {hs}" in note and "\n" not in note
+    assert fa.fallback_note(32).startswith("note:") and "--attention gemm" in fa.fallback_note(128)

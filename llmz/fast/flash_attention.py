@@ -1,8 +1,8 @@
 """Flash attention on tensor cores: replaces llmz.kernels.flash_attention's teaching kernels for bf16 values
-and head size 64 (GPT-2's), with the same contract: inp (B,T,3C) q | k | v -> out (B,T,C) and lse (B,NH,T)
-float32; backward (+)= into dinp (B,T,3C) (or overwrites it); deterministic (every sum in a fixed order, no
-atomics); any T (the last tile partial). Results agree with the teaching kernels within bf16 rounding (P and
-dS are rounded to bf16 for their products).
+of head size HS = 64 (GPT-2's at every size; fast_flash_covers, fallback_note), with the same contract: inp
+(B,T,3C) q | k | v -> out (B,T,C) and lse (B,NH,T) float32; backward (+)= into dinp (B,T,3C) (or overwrites
+it); deterministic (every sum in a fixed order, no atomics); any T (the last tile partial). Results agree
+with the teaching kernels within bf16 rounding (P and dS are rounded to bf16 for their products).
 
 FlashAttention-2's layout (Dao 2023), products through llmz.fast.mma (bf16 in, float32 accumulation; the
 fragment picture, which lane holds which elements of A, B and C, is drawn at the top of llmz/fast/mma.py):
@@ -40,6 +40,9 @@ dev/flash_attention.py is this file's history: each version, checked and timed, 
 kernels to these (python tools/flash_ptx.py [--dev]: registers, spills, shared memory without a GPU).
 """
 import math
+import re
+import types
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -65,11 +68,15 @@ from .mma import (
 )
 from .mma import mma_m16n8k16_bf16 as mma
 
-HS = 64                     # the head size these kernels are written for
+HS = 64                     # the head size these kernels are compiled for (a multiple of 32)
 WORDS = HS // 2             # uint32 words (bf16 pairs) in one head's row
 CHUNKS = WORDS // 4         # 16-byte chunks in one head's row (8: 128 bytes)
-BC = 64                     # rows of a streamed tile (keys in forward and dq, queries in dk/dv)
+BC = 64                     # rows of a streamed tile (keys in forward and dq, queries in dk/dv; 32 or 64)
 PAD = WORDS + 4             # words a shared row: 144 bytes, 16-byte aligned, rows r and r+1 4 banks apart
+A_HS = HS // 4              # a lane's words of a 16-row tile's A fragments over HS channels (HS/16 k-steps)
+C_HS = HS // 2              # a lane's floats of its C fragments over HS channels (HS/8 n-tiles)
+A_BC = BC // 4              # ... over a streamed tile's BC rows (P and dS as A fragments)
+C_BC = BC // 2              # ... (S, P, dP, dS)
 TILE_WORDS = BC * PAD       # one shared tile, 1-D
 TILE_BYTES = 4 * TILE_WORDS
 BUF_WORDS = 4 * TILE_WORDS  # two buffers of two tiles (K and V, or Q and dO)
@@ -81,6 +88,9 @@ FWD_TILES = 2               # as two row tiles of 16
 FWD_ROWS = 16 * FWD_TILES * FWD_WARPS
 FWD_THREADS = 32 * FWD_WARPS
 FWD_BLOCKS_PER_SM = 2       # the launch bound: <= 255 registers a thread
+FWD_A, FWD_O = FWD_TILES * A_HS, FWD_TILES * C_HS      # the forward's register arrays: Q's fragments, O,
+FWD_S, FWD_P = FWD_TILES * C_BC, FWD_TILES * A_BC      # S (then P~), P~'s fragments,
+FWD_M = 2 * FWD_TILES                                  # m and l of the lane's rows
 DQ_WARPS = 8                # dq: warp w owns query rows 16w..16w+15
 DQ_ROWS = 16 * DQ_WARPS
 DQ_THREADS = 32 * DQ_WARPS
@@ -102,9 +112,28 @@ HI16 = np.uint32(0xFFFF0000)
 S16 = np.uint32(16)
 
 
+def fast_flash_covers(head_size: int) -> bool:
+    """Whether these kernels serve bf16 attention of this head size (they are compiled for HS = 64, every
+    GPT-2 size from d12 to d48); bf16 at another head size takes the teaching kernels."""
+    return head_size == HS
+
+
 def fast_applies(inp, hs: int) -> bool:
-    """These kernels serve bf16 (uint16) values with head size 64; other cases take the teaching kernels."""
-    return inp.dtype == np.uint16 and hs == HS
+    """These kernels serve bf16 (uint16) values of the head size they cover; other cases take the teaching
+    kernels."""
+    return inp.dtype == np.uint16 and fast_flash_covers(hs)
+
+
+def fallback_note(head_size: int) -> str | None:
+    """One line for the start of a bf16 run with --attention flash whose head size these kernels do not
+    cover (None when they do): what runs instead, and the faster choice."""
+    if fast_flash_covers(head_size):
+        return None
+    if head_size > teaching.HS_MAX:
+        return (f"bf16 --attention flash: head size {head_size} is beyond the tensor-core kernels (head size {HS}) "
+                f"and the teaching kernels (at most {teaching.HS_MAX}); use --attention gemm")
+    return (f"note: bf16 --attention flash with head size {head_size} runs on the teaching kernels (the tensor-core "
+            f"kernels cover head size {HS} only): hundreds of times slower; --attention gemm runs it on cuBLAS")
 
 
 def launch_bounds(threads: int, blocks_per_sm: int) -> dict:
@@ -116,9 +145,10 @@ def launch_bounds(threads: int, blocks_per_sm: int) -> dict:
 # ---- device functions: FlashAttention-2's steps on a warp's fragments -------------------------------------
 # Each is inlined into the kernel that calls it (Numba IR inlining; LLVM then unrolls the loops over fragment
 # elements, so the arrays stay in registers). A warp's rows come in row tiles of 16: lane 4g+t holds rows g and
-# g+8 (llmz/fast/mma.py's picture). Row tile i's C fragments (16 rows x 64 columns, float32) sit at
-# c[32i..32i+31], n-tile j (8 columns) at c[32i+4j..]; its A fragments (16 rows x 64 bf16, 4 k-steps) at
-# a[16i..16i+15]. A streamed tile is BC rows of one head's 64 channels in shared memory (PAD-word rows).
+# g+8 (llmz/fast/mma.py's picture). Row tile i's C fragments (16 rows x N columns, float32: N = BC for S, P,
+# dP, dS; HS for O, dQ, dK, dV) sit at c[(N/2) i..], n-tile j (8 columns) at c[(N/2) i + 4j..]; its A
+# fragments (16 rows x N bf16, N/16 k-steps of 4 words) at a[(N/4) i..]. A streamed tile is BC rows of one
+# head's HS channels in shared memory (PAD-word rows).
 rows_lane = cuda.jit(device=True, inline=True)(ldmatrix_rows_lane)
 trans_lane = cuda.jit(device=True, inline=True)(ldmatrix_trans_lane)
 copy_chunk = cuda.jit(device=True, inline=True)(tile_copy_chunk)
@@ -141,7 +171,7 @@ def copy_tile(dst, x, b, r0, w0, tid, nthreads):
     # past T zero-filled: cp.async, BC * CHUNKS // nthreads 16-byte copies a thread (mma.tile_copy_chunk)
     T, W = x.shape[1], x.shape[2]
     for i in range(BC * CHUNKS // nthreads):
-        r, c = copy_chunk(tid, i, nthreads)
+        r, c = copy_chunk(tid, i, nthreads, CHUNKS)
         row = r0 + r
         ok = row < T
         src = (b * T + (row if ok else 0)) * W + w0 + 4 * c
@@ -193,13 +223,13 @@ def trans_address(tile, lane):
 
 @cuda.jit(device=True, inline=True)
 def load_fragments(a, i, x, b, r0, w0, lane):
-    # "Load Q_i" into registers: a[16i..16i+15] <- the A fragments of rows r0+g and r0+g+8 of x[b] (words
+    # "Load Q_i" into registers: a[A_HS i..] <- the A fragments of rows r0+g and r0+g+8 of x[b] (words
     # w0..w0+WORDS), 0 past T
     T = x.shape[1]
     g, t = lane // 4, lane % 4
     ra, rb = r0 + g, r0 + g + 8
-    for kk in range(4):
-        y = 16 * i + 4 * kk
+    for kk in range(HS // 16):
+        y = A_HS * i + 4 * kk
         a[y] = x[b, ra, w0 + 8 * kk + t] if ra < T else ZERO
         a[y + 1] = x[b, rb, w0 + 8 * kk + t] if rb < T else ZERO
         a[y + 2] = x[b, ra, w0 + 8 * kk + 4 + t] if ra < T else ZERO
@@ -215,39 +245,39 @@ def mma_tile(c, x, a, y, b0, b1):
 
 @cuda.jit(device=True, inline=True)
 def mma_a_bt(c, a, b_rows, tiles):
-    # C = A B^T for row tiles 0..tiles-1 (S = Q K^T, dP = dO V^T): A's 64 channels in a, B^T the streamed
+    # C = A B^T for row tiles 0..tiles-1 (S = Q K^T, dP = dO V^T): A's HS channels in a, B^T the streamed
     # tile read along its rows by ldmatrix from b_rows (rows_address); C (16 x BC a row tile) into c. One
     # ldmatrix gives n-tile j's B fragments for two k-steps, used by every row tile.
-    for x in range(32 * tiles):
+    for x in range(C_BC * tiles):
         c[x] = 0.0
-    for kp in range(2):
-        for j in range(8):
+    for kp in range(HS // 32):
+        for j in range(BC // 8):
             b0, b1, b2, b3 = ldmatrix_x4(b_rows + 4 * (8 * j * PAD + 16 * kp))
             for i in range(tiles):
-                mma_tile(c, 32 * i + 4 * j, a, 16 * i + 8 * kp, b0, b1)
-                mma_tile(c, 32 * i + 4 * j, a, 16 * i + 8 * kp + 4, b2, b3)
+                mma_tile(c, C_BC * i + 4 * j, a, A_HS * i + 8 * kp, b0, b1)
+                mma_tile(c, C_BC * i + 4 * j, a, A_HS * i + 8 * kp + 4, b2, b3)
 
 
 @cuda.jit(device=True, inline=True)
 def mma_a_b(c, a, b_trans, tiles):
     # C += A B for row tiles 0..tiles-1 (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q): A (16 x BC a row
     # tile) in a, B the streamed tile read down its rows by ldmatrix .trans from b_trans (trans_address); C
-    # (16 x 64 channels a row tile) in c. One ldmatrix gives k-step kk's B fragments for two n-tiles.
-    for kk in range(4):
-        for jp in range(4):
+    # (16 x HS channels a row tile) in c. One ldmatrix gives k-step kk's B fragments for two n-tiles.
+    for kk in range(BC // 16):
+        for jp in range(HS // 16):
             b0, b1, b2, b3 = ldmatrix_x4_trans(b_trans + 4 * (16 * kk * PAD + 8 * jp))
             for i in range(tiles):
-                mma_tile(c, 32 * i + 8 * jp, a, 16 * i + 4 * kk, b0, b1)
-                mma_tile(c, 32 * i + 8 * jp + 4, a, 16 * i + 4 * kk, b2, b3)
+                mma_tile(c, C_HS * i + 8 * jp, a, A_BC * i + 4 * kk, b0, b1)
+                mma_tile(c, C_HS * i + 8 * jp + 4, a, A_BC * i + 4 * kk, b2, b3)
 
 
 @cuda.jit(device=True, inline=True)
 def pack_a(a, c, tiles):
-    # row tiles 0..tiles-1's C fragments (16 x 64 float32 each) -> bf16 A fragments a for the next product:
+    # row tiles 0..tiles-1's C fragments (16 x BC float32 each) -> bf16 A fragments a for the next product:
     # n-tiles 2kk and 2kk+1 are k-step kk (llmz/fast/mma.py: the C layout is the A layout)
     for i in range(tiles):
-        for kk in range(4):
-            x, y = 32 * i + 8 * kk, 16 * i + 4 * kk
+        for kk in range(BC // 16):
+            x, y = C_BC * i + 8 * kk, A_BC * i + 4 * kk
             a[y] = pack_bf16x2(c[x], c[x + 1])
             a[y + 1] = pack_bf16x2(c[x + 2], c[x + 3])
             a[y + 2] = pack_bf16x2(c[x + 4], c[x + 5])
@@ -261,11 +291,11 @@ def causal_mask(s, i, r0, c0, lane, T, transposed, fill):
     # columns queries, and the queries past T (zero-filled rows: P = exp(0 - 0)) filled too. (In S, keys
     # past T are past every query < T.)
     g, t = lane // 4, lane % 4
-    for j in range(8):
+    for j in range(BC // 8):
         for e in range(4):
             r = r0 + g + 8 * (e // 2)
             c = c0 + 8 * j + 2 * t + e % 2
-            x = 32 * i + 4 * j + e
+            x = C_BC * i + 4 * j + e
             s[x] = fill if (((c < r) | (c >= T)) if transposed else c > r) else s[x]
 
 
@@ -290,20 +320,20 @@ def online_softmax(s, o, m, l, tiles, scale_log2):
     # P~ = exp(S - m_new) (into s); l = exp(m - m_new) l + rowsum(P~); O = diag(exp(m - m_new)) O.
     # S is raw q.k: the scale goes into exp2's argument (scale_log2 = log2(e) / sqrt(hs)).
     for r in range(2 * tiles):
-        x0 = 32 * (r // 2) + 2 * (r % 2)
+        xs, xo = C_BC * (r // 2) + 2 * (r % 2), C_HS * (r // 2) + 2 * (r % 2)
         mx = m[r]
-        for j in range(8):
-            mx = max(mx, max(s[x0 + 4 * j], s[x0 + 4 * j + 1]))
+        for j in range(BC // 8):
+            mx = max(mx, max(s[xs + 4 * j], s[xs + 4 * j + 1]))
         mx = row_max(mx)
         alpha = math.exp2((m[r] - mx) * scale_log2)
         m[r] = mx
         lr = l[r] * alpha
-        for j in range(8):
-            o[x0 + 4 * j] *= alpha
-            o[x0 + 4 * j + 1] *= alpha
+        for j in range(HS // 8):
+            o[xo + 4 * j] *= alpha
+            o[xo + 4 * j + 1] *= alpha
         sm = mx * scale_log2
-        for j in range(8):
-            x = x0 + 4 * j
+        for j in range(BC // 8):
+            x = xs + 4 * j
             s[x] = math.exp2(s[x] * scale_log2 - sm)
             s[x + 1] = math.exp2(s[x + 1] * scale_log2 - sm)
             lr += s[x] + s[x + 1]
@@ -317,8 +347,8 @@ def store_rows(dst, b, r0, w0, c, i, scale_a, scale_b, accumulate, lane):
     T = dst.shape[1]
     g, t = lane // 4, lane % 4
     ra, rb = r0 + g, r0 + g + 8
-    for j in range(8):
-        x = 32 * i + 4 * j
+    for j in range(HS // 8):
+        x = C_HS * i + 4 * j
         if ra < T:
             store_pair(dst, b, ra, w0 + 4 * j + t, c[x] * scale_a, c[x + 1] * scale_a, accumulate)
         if rb < T:
@@ -410,17 +440,17 @@ def flash_forward_mma_kernel(out, lse, inp, scale_log2):
     k_rows, v_trans = rows_address(base, lane), trans_address(base + TILE_BYTES, lane)
     nkt = (min(r0 + FWD_ROWS, T) - 1) // BC + 1     # key tiles up to the block's last row
     load_tiles(base, inp, hk, inp, hv, b, 0, tid, FWD_THREADS)
-    qf = cuda.local.array(32, numba.uint32)     # Q_i: row tile i's A fragments at [16i..] (FWD_TILES <= 2)
-    o = cuda.local.array(64, numba.float32)     # O_i at [32i..]
-    s = cuda.local.array(64, numba.float32)     # S, then P~
-    pf = cuda.local.array(32, numba.uint32)     # P~ as bf16 A fragments
-    m = cuda.local.array(4, numba.float32)      # m and l of the lane's rows, row tile i's at [2i], [2i+1]
-    l = cuda.local.array(4, numba.float32)
+    qf = cuda.local.array(FWD_A, numba.uint32)  # Q_i: row tile i's A fragments at [A_HS i..]
+    o = cuda.local.array(FWD_O, numba.float32)  # O_i at [C_HS i..]
+    s = cuda.local.array(FWD_S, numba.float32)  # S, then P~, at [C_BC i..]
+    pf = cuda.local.array(FWD_P, numba.uint32)  # P~ as bf16 A fragments
+    m = cuda.local.array(FWD_M, numba.float32)  # m and l of the lane's rows, row tile i's at [2i], [2i+1]
+    l = cuda.local.array(FWD_M, numba.float32)
     for i in range(FWD_TILES):
         load_fragments(qf, i, inp, b, w0 + 16 * i, hq, lane)
-    for x in range(64):
+    for x in range(FWD_O):
         o[x] = 0.0
-    for x in range(4):
+    for x in range(FWD_M):
         m[x], l[x] = NEG, 0.0
     for kt in range(nkt):
         wait_tiles()
@@ -456,9 +486,10 @@ def flash_rowsum_kernel(dsum, dout, out):
                + bf16_lo(x1) * bf16_lo(y1) + bf16_hi(x1) * bf16_hi(y1)
                + bf16_lo(x2) * bf16_lo(y2) + bf16_hi(x2) * bf16_hi(y2)
                + bf16_lo(x3) * bf16_lo(y3) + bf16_hi(x3) * bf16_hi(y3))
-    acc += cuda.shfl_xor_sync(FULL, acc, 1)
-    acc += cuda.shfl_xor_sync(FULL, acc, 2)
-    acc += cuda.shfl_xor_sync(FULL, acc, 4)
+    w = 1
+    while w < CHUNKS:                           # the row's CHUNKS threads: xor 1, 2, 4, ...
+        acc += cuda.shfl_xor_sync(FULL, acc, w)
+        w *= 2
     if row < B * T * NH and idx % CHUNKS == 0:
         dsum[row // (NH * T), row % NH, row // NH % T] = acc
 
@@ -478,14 +509,14 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
     v_rows = rows_address(base + TILE_BYTES, lane)
     nkt = (min(r0 + DQ_ROWS, T) - 1) // BC + 1
     load_tiles(base, inp, hk, inp, hv, b, 0, tid, DQ_THREADS)
-    qf = cuda.local.array(16, numba.uint32)     # Q_i and dO_i as A fragments
-    dof = cuda.local.array(16, numba.uint32)
+    qf = cuda.local.array(A_HS, numba.uint32)   # Q_i and dO_i as A fragments
+    dof = cuda.local.array(A_HS, numba.uint32)
     la, lb, da, db = load_query_rows(qf, dof, inp, dout, lse, dsum, b, h, w0, lane)
-    dq = cuda.local.array(32, numba.float32)
-    s = cuda.local.array(32, numba.float32)     # S, then P
-    dp = cuda.local.array(32, numba.float32)    # dP, then dS
-    pf = cuda.local.array(16, numba.uint32)     # dS as bf16 A fragments
-    for x in range(32):
+    dq = cuda.local.array(C_HS, numba.float32)
+    s = cuda.local.array(C_BC, numba.float32)   # S, then P
+    dp = cuda.local.array(C_BC, numba.float32)  # dP, then dS
+    pf = cuda.local.array(A_BC, numba.uint32)   # dS as bf16 A fragments
+    for x in range(C_HS):
         dq[x] = 0.0
     for kt in range(nkt):
         wait_tiles()
@@ -495,11 +526,11 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
         if k0 < w0 + 16:                        # some key of the tile is at or before the warp's last row
             mma_a_bt(s, qf, k_rows + off, 1)                          # S = Q K^T
             mma_a_bt(dp, dof, v_rows + off, 1)                        # dP = dO V^T
-            for j in range(8):
+            for j in range(BC // 8):
                 recompute_p(s, 4 * j, la, lb, False, scale_log2)          # P = exp(S - L)
             if k0 + BC - 1 > w0:
                 causal_mask(s, 0, w0, k0, lane, T, False, ZERO_F)
-            for j in range(8):
+            for j in range(BC // 8):
                 compute_ds(dp, s, 4 * j, da, db, False)                   # dS = P o (dP - D)
             pack_a(pf, dp, 1)
             mma_a_b(dq, pf, k_trans + off, 1)                         # dQ += dS K
@@ -523,16 +554,16 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
     nqt = (T - 1) // BC + 1 - first
     load_stats(sbase, lse, dsum, b, h, first * BC, tid)
     load_tiles(base, inp, hq, dout, hq, b, first * BC, tid, DKV_THREADS)
-    kf = cuda.local.array(16, numba.uint32)     # K_j and V_j as A fragments
-    vf = cuda.local.array(16, numba.uint32)
+    kf = cuda.local.array(A_HS, numba.uint32)   # K_j and V_j as A fragments
+    vf = cuda.local.array(A_HS, numba.uint32)
     load_fragments(kf, 0, inp, b, w0, hk, lane)
     load_fragments(vf, 0, inp, b, w0, hv, lane)
-    dk = cuda.local.array(32, numba.float32)
-    dv = cuda.local.array(32, numba.float32)
-    s = cuda.local.array(32, numba.float32)     # S^T, then P^T
-    dp = cuda.local.array(32, numba.float32)    # dP^T, then dS^T
-    pf = cuda.local.array(16, numba.uint32)     # P^T, then dS^T, as bf16 A fragments
-    for x in range(32):
+    dk = cuda.local.array(C_HS, numba.float32)
+    dv = cuda.local.array(C_HS, numba.float32)
+    s = cuda.local.array(C_BC, numba.float32)   # S^T, then P^T
+    dp = cuda.local.array(C_BC, numba.float32)  # dP^T, then dS^T
+    pf = cuda.local.array(A_BC, numba.uint32)   # P^T, then dS^T, as bf16 A fragments
+    for x in range(C_HS):
         dk[x], dv[x] = 0.0, 0.0
     for n in range(nqt):                        # query tile first+n, in buffer n % 2
         wait_tiles()
@@ -544,12 +575,12 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
         if q0 + BC > w0:                        # some query of the tile is at or after the warp's first key
             mma_a_bt(s, kf, q_rows + off, 1)                          # S^T = K Q^T
             mma_a_bt(dp, vf, do_rows + off, 1)                        # dP^T = V dO^T
-            for j in range(8):                  # P^T = exp(S^T - L), L of the columns' queries
+            for j in range(BC // 8):            # P^T = exp(S^T - L), L of the columns' queries
                 l0, l1 = load_at(stats, lt, 8 * j) * LOG2E, load_at(stats, lt, 8 * j + 1) * LOG2E
                 recompute_p(s, 4 * j, l0, l1, True, scale_log2)
             if q0 < w0 + 15 or q0 + BC > T:
                 causal_mask(s, 0, w0, q0, lane, T, True, ZERO_F)
-            for j in range(8):                  # dS^T = P^T o (dP^T - D), D of the columns' queries
+            for j in range(BC // 8):            # dS^T = P^T o (dP^T - D), D of the columns' queries
                 compute_ds(dp, s, 4 * j, load_at(stats, lt, BC + 8 * j), load_at(stats, lt, BC + 8 * j + 1), True)
             pack_a(pf, s, 1)
             mma_a_b(dv, pf, do_trans + off, 1)                        # dV += P^T dO
@@ -604,3 +635,22 @@ def flash_attention_backward_fast(dev, dinp, dout, inp, out, lse, dsum, num_head
                lse, dsum, SCALE * LOG2E, SCALE, accumulate, flops=causal_flops(B, num_heads, T, 4))
     dev.launch(flash_dq_mma_kernel, (ceil_div(T, DQ_ROWS), num_heads, B), DQ_THREADS, dinp2, dout2, inp2,
                lse, dsum, SCALE * LOG2E, SCALE, accumulate, flops=causal_flops(B, num_heads, T, 3))
+
+
+# ---- the same kernels at other compile-time constants -------------------------------------------------------
+def compiled_with(**constants) -> types.ModuleType:
+    """This file run again as a module of its own with some of its constants set otherwise (HS, BC, a
+    kernel's warps, row tiles or launch bound; the constants that follow from them follow): its device
+    functions, kernels and launches at another head size or block shape, from this one source (Numba takes a
+    function's constants when it compiles it). dev/flash_attention.py builds its versions this way."""
+    source = Path(__file__).read_text()
+    for name, value in constants.items():
+        source, n = re.subn(rf"^{name} = [^#\n]*?(?=\s*#|$)", f"{name} = {value!r}", source, count=1,
+                            flags=re.MULTILINE)
+        if n != 1:
+            raise ValueError(f"{__name__} has no module constant {name}")
+    name = f"{__package__}.{Path(__file__).stem}" + "".join(f"_{k}{v}" for k, v in constants.items())
+    module = types.ModuleType(name)
+    module.__package__, module.__file__ = __package__, __file__
+    exec(compile(source, __file__, "exec"), module.__dict__)  # noqa: S102 (this file, some constants changed)
+    return module
