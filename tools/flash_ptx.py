@@ -6,8 +6,9 @@ Needs the CUDA toolkit's libnvvm and ptxas (not a GPU, not NVRTC). Writes OUTDIR
 (default /tmp/flash_ptx) and prints, per kernel, the counts of the instructions that matter in the PTX (mma,
 ldmatrix, cp.async, 16-byte loads), local-memory use, float64 instructions (there should be none) and
 ptxas's summary line (registers, spills, shared memory). --dev: also dev/flash_attention.py's versions'
-kernels that llmz.fast does not have (version 1's, and the other block shapes of versions 2, 3, 6);
---only=SUBSTRING (repeatable): just the kernels whose names contain it.
+kernels (version 1's, and llmz.fast's source compiled at the other versions' block shapes and head sizes);
+--only=SUBSTRING (repeatable): just the kernels whose names contain it. ptxas's error for more than 48 KiB
+of static shared memory comes out in its place.
 """
 import os
 import re
@@ -46,17 +47,27 @@ KERNELS = {
 
 
 def dev_kernels():
-    """dev/flash_attention.py's kernels that are not llmz.fast's: (label, kernel, signature)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
-    import flash_attention as dev
-    import flash_attention_v1 as v1
+    """dev/flash_attention.py's versions' kernels that are not llmz.fast's: (label, kernel, signature)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dev import flash_attention as dev
+    from dev import flash_attention_v1 as v1
     fwd_sig, bwd_sig = KERNELS["flash_forward_mma_kernel"], KERNELS["flash_dq_mma_kernel"]
-    return [("dev_v1_forward", v1.flash_forward_mma_kernel, fwd_sig),
+    todo = [("dev_v1_forward", v1.flash_forward_mma_kernel, fwd_sig),
             ("dev_v1_rowsum", v1.flash_rowsum_kernel, KERNELS["flash_rowsum_kernel"]),
-            ("dev_v1_dkv", v1.flash_dkv_mma_kernel, bwd_sig), ("dev_v1_dq", v1.flash_dq_mma_kernel, bwd_sig),
-            ("dev_rows64_forward", dev.FWD64, fwd_sig), ("dev_rows64_dq", dev.DQ64, bwd_sig),
-            ("dev_rows64_dq_2blocks", dev.DQ64B2, bwd_sig),
-            ("dev_rows128_forward", dev.FWD128, fwd_sig), ("dev_rows128_dkv", dev.DKV128, bwd_sig)]
+            ("dev_v1_dkv", v1.flash_dkv_mma_kernel, bwd_sig), ("dev_v1_dq", v1.flash_dq_mma_kernel, bwd_sig)]
+    # version 7's dq kernel takes (dsum, out) where the others take dsum
+    d_out = types.Tuple((f32_3d, u32_3d))
+    dq_d_out = bwd_sig[:4] + (d_out,) + bwd_sig[5:]
+    for ver, (_, mod, *_) in dev.VERSIONS.items():
+        if mod is None or mod is fa:
+            continue
+        for name in ("flash_forward_mma_kernel", "flash_dkv_mma_kernel", "flash_dq_mma_kernel"):
+            d_in_dq = mod.load_query_rows is dev.load_query_rows_with_d
+            sig = dq_d_out if d_in_dq and name == "flash_dq_mma_kernel" else KERNELS[name]
+            todo.append((f"dev_v{ver}_{name[6:-11]}", getattr(mod, name), sig))
+        if mod.HS != fa.HS:
+            todo.append((f"dev_v{ver}_rowsum", mod.flash_rowsum_kernel, KERNELS["flash_rowsum_kernel"]))
+    return todo
 
 
 def compile_and_report(name, kernel, sig, outdir):

@@ -539,8 +539,8 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
 
 @cuda.jit(fastmath=True, **launch_bounds(DKV_THREADS, DKV_BLOCKS_PER_SM))
 def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulate):
-    # As flash_dq_mma_kernel, for dk and dv (Algorithm 2's outer loop): block (key tile of DKV_ROWS, h, b); warp
-    # w: keys w0..w0+15, query tiles from the diagonal on: S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T,
+    # As flash_dq_mma_kernel, for dk and dv (Algorithm 2's outer loop): block (key tile of DKV_ROWS, h, b);
+    # warp w: keys w0..w0+15, query tiles from the diagonal on: S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T,
     # dS^T = P^T o (dP^T - D), dV += P^T dO, dK += scale dS^T Q. (+)= into dinp's k, v (accumulate=False: =).
     smem = cuda.shared.array(BUF_WORDS, numba.uint32)       # buffer n: Q tile 2n, dO tile 2n+1
     stats = cuda.shared.array(LSE_FLOATS, numba.float32)    # buffer n: L at [2n BC..], D at [(2n+1) BC..]
@@ -581,7 +581,8 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
             if q0 < w0 + 15 or q0 + BC > T:
                 causal_mask(s, 0, w0, q0, lane, T, True, ZERO_F)
             for j in range(BC // 8):            # dS^T = P^T o (dP^T - D), D of the columns' queries
-                compute_ds(dp, s, 4 * j, load_at(stats, lt, BC + 8 * j), load_at(stats, lt, BC + 8 * j + 1), True)
+                d0, d1 = load_at(stats, lt, BC + 8 * j), load_at(stats, lt, BC + 8 * j + 1)
+                compute_ds(dp, s, 4 * j, d0, d1, True)
             pack_a(pf, s, 1)
             mma_a_b(dv, pf, do_trans + off, 1)                        # dV += P^T dO
             pack_a(pf, dp, 1)
@@ -592,9 +593,9 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
 
 # ---- the layer: the tensor-core kernels where they apply, the teaching kernels elsewhere ------------------
 def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
-    """As llmz.kernels.flash_attention.flash_attention_forward (the same arguments and contract): bf16 values of
-    head size 64 on tensor cores; fp32, fp64 and other head sizes on the teaching kernels (exact, slow: fp32
-    training keeps --attention gemm, cuBLAS TF32, as its default)."""
+    """As llmz.kernels.flash_attention.flash_attention_forward (the same arguments and contract): bf16 values
+    of head size 64 on tensor cores; fp32, fp64 and other head sizes on the teaching kernels (exact, slow:
+    fp32 training keeps --attention gemm, cuBLAS TF32, as its default)."""
     if not fast_applies(inp, inp.shape[2] // 3 // num_heads):
         return teaching.flash_attention_forward(dev, out, lse, inp, num_heads)
     flash_attention_forward_fast(dev, out, lse, inp, num_heads)
@@ -637,7 +638,7 @@ def flash_attention_backward_fast(dev, dinp, dout, inp, out, lse, dsum, num_head
                lse, dsum, SCALE * LOG2E, SCALE, accumulate, flops=causal_flops(B, num_heads, T, 3))
 
 
-# ---- the same kernels at other compile-time constants -------------------------------------------------------
+# ---- the same kernels at other compile-time constants ---------------------------------------------------
 def compiled_with(**constants) -> types.ModuleType:
     """This file run again as a module of its own with some of its constants set otherwise (HS, BC, a
     kernel's warps, row tiles or launch bound; the constants that follow from them follow): its device
@@ -649,8 +650,8 @@ def compiled_with(**constants) -> types.ModuleType:
                             flags=re.MULTILINE)
         if n != 1:
             raise ValueError(f"{__name__} has no module constant {name}")
-    name = f"{__package__}.{Path(__file__).stem}" + "".join(f"_{k}{v}" for k, v in constants.items())
-    module = types.ModuleType(name)
+    suffix = "".join(f"_{k}{v}" for k, v in constants.items()) or "_copy"
+    module = types.ModuleType(f"{__package__}.{Path(__file__).stem}{suffix}")
     module.__package__, module.__file__ = __package__, __file__
     exec(compile(source, __file__, "exec"), module.__dict__)  # noqa: S102 (this file, some constants changed)
     return module
