@@ -41,6 +41,10 @@ version 10: version 5 with streamed tiles of BC = 32 rows (S, P, dP, dS: half th
            latencies, against twice the syncthreads and cp.async groups per key. ptxas: forward 168 registers
            (72 B spilled), dk/dv 168 (16 B), dq 162 (none).
 version 11: versions 10 and 7 together.
+version 12: the forward on Hopper's wgmma (dev/flash_attention_wgmma.py: warpgroup products from registers and
+           128-byte-swizzled shared tiles, 8 instructions a 64-key tile for 64 rows where version 5 issues 256
+           mma.sync); the backward of version 5. Not yet run on a GPU: its probe (the instruction, the
+           descriptors, the layouts) runs first, in a process of its own.
 The forward and the backward of a version are independent: the best of each column can be combined.
 
 Each version runs in its own try/except (a compile or launch error is one line and the next version runs);
@@ -72,6 +76,7 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import flash_attention_v1 as v1
+from dev import flash_attention_wgmma as wg
 from llmz.config import preset
 from llmz.device import ceil_div
 from llmz.fast import flash_attention as fa
@@ -162,6 +167,8 @@ VERSIONS = {
     9: version("5 at head size 128 (BC 32, 1 tile)", fa.compiled_with(HS=128, BC=32, FWD_TILES=1)),
     10: version("5, BC 32, 3 blocks an SM", fa.compiled_with(**SMALL_TILES)),
     11: version("10 and 7", V11, backward_d_in_dq(V11)),
+    12: ("wgmma forward (dev/..._wgmma.py); bwd 5's", None, wg.flash_attention_forward_wgmma,
+         fa.flash_attention_backward_fast, 64),
 }
 
 
@@ -373,12 +380,14 @@ def run_versions(versions, shapes, shape_args):
 def registers():
     """Registers a thread of each compiled mma kernel of each version (what the GPU's driver reports)."""
     regs = []
+    names = ("flash_forward_mma_kernel", "flash_dq_mma_kernel", "flash_dkv_mma_kernel")
     for ver, (_, mod, *_) in VERSIONS.items():
-        names = ("flash_forward_mma_kernel", "flash_dq_mma_kernel", "flash_dkv_mma_kernel")
-        for k in (getattr(mod or v1, n) for n in names):
+        kernels = [wg.flash_forward_wgmma_kernel] if ver == 12 else [getattr(mod or v1, n) for n in names]
+        for k in kernels:
             try:
                 n = k.get_regs_per_thread()
-                regs.append(f"v{ver} {k.py_func.__name__[6:-11]} {max(n.values()) if isinstance(n, dict) else n}")
+                name = k.py_func.__name__.replace("flash_", "").replace("_kernel", "")
+                regs.append(f"v{ver} {name} {max(n.values()) if isinstance(n, dict) else n}")
             except Exception:  # noqa: BLE001, S112 (not compiled: the version did not run)
                 continue
     return "registers a thread: " + ", ".join(regs)
@@ -432,6 +441,10 @@ def main(argv) -> int:
     sdpa = {}
     if not args.child:                          # first: a version that breaks the context cannot stop it
         ref_ok = check_reference()
+        if 12 in versions:                      # wgmma alone, in a process of its own
+            r = subprocess.run([sys.executable, wg.__file__], capture_output=True, text=True, check=False)
+            print(r.stdout + (f"wgmma probe FAILED (exit {r.returncode}): {r.stderr.strip()[-1500:]}\n"
+                              if r.returncode else ""), end="", flush=True)
         for label, B, T, C, _ in shapes:
             t = time_sdpa(B, T, C // 64, 64)
             if t:

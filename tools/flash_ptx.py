@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from numba import cuda, types
 from numba.cuda import cuda_paths
+from numba.cuda.cudadrv import nvrtc
 
 # compile_ptx asks for NVRTC's path only to report it; without NVRTC installed, answer "none"
 cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("none", None)
@@ -67,22 +68,31 @@ def dev_kernels():
             todo.append((f"dev_v{ver}_{name[6:-11]}", getattr(mod, name), sig))
         if mod.HS != fa.HS:
             todo.append((f"dev_v{ver}_rowsum", mod.flash_rowsum_kernel, KERNELS["flash_rowsum_kernel"]))
+    u32_3d_in = types.uint32[:, :, ::1]
+    todo.append(("dev_v12_forward_wgmma", dev.wg.flash_forward_wgmma_kernel, fwd_sig, "a"))
+    todo.append(("dev_wgmma_probe", dev.wg.wgmma_probe_kernel, (types.float32[:, ::1],) * 2 + (u32_3d_in,) * 4, "a"))
     return todo
 
 
-def compile_and_report(name, kernel, sig, outdir):
+def compile_and_report(name, kernel, sig, outdir, arch=""):
+    """arch "a": for sm_90a, the instructions of Hopper alone (wgmma; on the GPU, Numba compiles for sm_90a)."""
     bounds = kernel.targetoptions.get("launch_bounds")
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), fastmath=True, launch_bounds=bounds)
+    arch_option = nvrtc.get_arch_option                  # "compute_90", or "compute_90a" for arch "a"
+    nvrtc.get_arch_option = lambda *cc: arch_option(*cc) + arch
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), fastmath=True, launch_bounds=bounds)
+    finally:
+        nvrtc.get_arch_option = arch_option
     path = os.path.join(outdir, name + ".ptx")
     with open(path, "w") as f:
         f.write(ptx)
-    r = subprocess.run(["ptxas", "-arch=sm_90", "-v", path, "-o", path[:-4] + ".cubin"], check=False,
+    r = subprocess.run(["ptxas", f"-arch=sm_90{arch}", "-v", path, "-o", path[:-4] + ".cubin"], check=False,
                        capture_output=True, text=True)
     info = " ".join(line.split("info    : ", 1)[-1].strip() for line in r.stderr.splitlines()
                     if "registers" in line or "spill" in line)
     f64 = len(re.findall(r"\.f64", ptx))
-    counts = {"mma": ptx.count("mma.sync"), "ldmatrix": ptx.count("ldmatrix"), "cp.async": ptx.count("cp.async."),
-              "ld.v4": len(re.findall(r"ld(\.global)?\.v4", ptx))}
+    counts = {"mma": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async"), "ldmatrix": ptx.count("ldmatrix"),
+              "cp.async": ptx.count("cp.async."), "ld.v4": len(re.findall(r"ld(\.global)?\.v4", ptx))}
     print(f"{name}: " + "".join(f"{v} {k}, " for k, v in counts.items() if v)
           + f"{ptx.count('ld.local') + ptx.count('st.local')} local ld/st, {f64} f64 ops; ptxas: "
           + (info or r.stderr.strip()), flush=True)
@@ -95,10 +105,10 @@ def main(*args):
     if "--dev" in args:
         todo += dev_kernels()
     only = [a.split("=", 1)[1] for a in args if a.startswith("--only=")]
-    for name, kernel, sig in todo:
+    for name, kernel, sig, *arch in todo:
         if only and not any(o in name for o in only):
             continue
-        compile_and_report(name, kernel, sig, outdir)
+        compile_and_report(name, kernel, sig, outdir, *arch)
 
 
 if __name__ == "__main__":
