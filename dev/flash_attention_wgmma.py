@@ -127,6 +127,21 @@ def copy_tile_sw128(dst, x, b, r0, w0, tid, nthreads):
                    16 if ok else 0)
 
 
+@cuda.jit(device=True, inline=True)
+def wgmma_product(c, a, tile, trans_b):
+    # The warpgroup's 64 x 64 product, waited for: A (64 x 64: 4 k-steps in registers a) with B, the swizzled
+    # 64-row tile at shared byte address `tile`, into this thread's 32 floats c:
+    #   trans_b = 0: C = A B^T (S = Q K^T), B's rows C's columns: K-major, k-step kk at +32 bytes
+    #   trans_b = 1: C += A B (O += P V), B's rows the k axis: MN-major, k-step kk (16 rows) at +2048 bytes
+    wgmma_fence()
+    for kk in range(4):
+        desc = smem_desc(tile + 2048 * kk, 8192, 1024) if trans_b else smem_desc(tile + 32 * kk, 16, 1024)
+        wgmma_m64n64k16(c, 0, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], desc, trans_b or kk > 0,
+                        trans_b)
+    wgmma_commit()
+    wgmma_wait()
+
+
 # ---- the probe: one warpgroup, one product of each kind ----------------------------------------------------
 @cuda.jit
 def wgmma_probe_kernel(s_out, o_out, q, k, v, p):
@@ -149,15 +164,10 @@ def wgmma_probe_kernel(s_out, o_out, q, k, v, p):
     cuda.syncthreads()
     s = cuda.local.array(32, numba.float32)
     o = cuda.local.array(32, numba.float32)
-    wgmma_fence()
-    for kk in range(4):
-        wgmma_m64n64k16(s, 0, qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
-                        smem_desc(base + 32 * kk, 16, 1024), kk > 0, 0)
-    for kk in range(4):
-        wgmma_m64n64k16(o, 0, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                        smem_desc(base + TILE_BYTES + 2048 * kk, 8192, 1024), kk > 0, 1)
-    wgmma_commit()
-    wgmma_wait()
+    for x in range(32):
+        o[x] = 0.0
+    wgmma_product(s, qf, base, 0)                   # S = Q K^T
+    wgmma_product(o, pf, base + TILE_BYTES, 1)      # O += P V
     g, t = lane // 4, lane % 4
     for j in range(8):
         for e in range(4):
@@ -177,26 +187,6 @@ def load_tiles_sw128(dst, x, wx, wy, b, r0, tid):
     cp_async_commit()
 
 
-@cuda.jit(device=True, inline=True)
-def wgmma_a_bt(c, a, tile):
-    # C (the warpgroup's 64 x BC) = A B^T: A's 64 channels in registers (4 k-steps), B^T the K-major tile
-    wgmma_fence()
-    for kk in range(4):
-        wgmma_m64n64k16(c, 0, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
-                        smem_desc(tile + 32 * kk, 16, 1024), kk > 0, 0)
-    wgmma_commit()
-    wgmma_wait()
-
-
-@cuda.jit(device=True, inline=True)
-def wgmma_a_b(c, a, tile):
-    # C (64 x 64 channels) += A B: A (64 x BC keys) in registers, B the tile read down its keys (MN-major)
-    wgmma_fence()
-    for kk in range(4):
-        wgmma_m64n64k16(c, 0, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
-                        smem_desc(tile + 2048 * kk, 8192, 1024), 1, 1)
-    wgmma_commit()
-    wgmma_wait()
 
 
 @cuda.jit(fastmath=True, **launch_bounds(FWD_THREADS, 1))
@@ -229,12 +219,12 @@ def flash_forward_wgmma_kernel(out, lse, inp, scale_log2):
             load_tiles_sw128(base + (kt + 1) % 2 * BUF_BYTES, inp, hk, hv, b, (kt + 1) * BC, tid)
         k0, tile = kt * BC, base + kt % 2 * BUF_BYTES
         if k0 < g0 + WG_ROWS:                   # the warpgroup's rows meet the tile (uniform in a warpgroup)
-            wgmma_a_bt(s, qf, tile)                                       # S = Q K^T
+            wgmma_product(s, qf, tile, 0)                                 # S = Q K^T
             if k0 + BC - 1 > w0:
                 causal_mask(s, 0, w0, k0, lane, T, False, NEG)
             online_softmax(s, o, m, l, 1, scale_log2)                     # m, P~, l; O rescaled
             pack_a(pf, s, 1)
-            wgmma_a_b(o, pf, tile + TILE_BYTES)                           # O += P~ V
+            wgmma_product(o, pf, tile + TILE_BYTES, 1)                    # O += P~ V
     write_o_lse(out, lse, o, m, l, 0, b, h, w0, hq, lane, scale_log2)
 
 
