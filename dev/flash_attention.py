@@ -442,9 +442,13 @@ def main(argv) -> int:
     if not args.child:                          # first: a version that breaks the context cannot stop it
         ref_ok = check_reference()
         if 12 in versions:                      # wgmma alone, in a process of its own
-            r = subprocess.run([sys.executable, wg.__file__], capture_output=True, text=True, check=False)
-            print(r.stdout + (f"wgmma probe FAILED (exit {r.returncode}): {r.stderr.strip()[-1500:]}\n"
-                              if r.returncode else ""), end="", flush=True)
+            try:
+                r = subprocess.run([sys.executable, wg.__file__], capture_output=True, text=True, check=False,
+                                   timeout=120)
+                print(r.stdout + (f"wgmma probe FAILED (exit {r.returncode}): {r.stderr.strip()[-1500:]}\n"
+                                  if r.returncode else ""), end="", flush=True)
+            except subprocess.TimeoutExpired:
+                print("wgmma probe FAILED: no answer in 120 s", flush=True)
         for label, B, T, C, _ in shapes:
             t = time_sdpa(B, T, C // 64, 64)
             if t:
