@@ -55,7 +55,7 @@ relative error out < 1e-2, dq/dk/dv < 2e-2, lse within 1e-2); shapes B=2 T=1024 
 first shape must give the same bits (no atomics anywhere).
 Promotion (done): llmz.fast.flash_attention runs version 5's forward and version 4's backward (the best of
 each column on an H200), each kernel composed from llmz.fast's device functions (FlashAttention-2's steps).
-Versions 2-9 are that source compiled with other module constants (llmz.fast.flash_attention.compiled_with:
+Versions 2-11 are that source compiled with other module constants (llmz.fast.flash_attention.compiled_with:
 block shapes, head size), version 7 with one device function swapped; version 1 (dev/flash_attention_v1.py)
 composes the same device functions around its own staging: no kernel's source is here twice.
 Kernel sizes: python tools/flash_ptx.py --dev (ptxas registers, spills, shared memory; no GPU needed).
@@ -285,9 +285,11 @@ def shape(model, B, T):
 
 
 def timed_arrays(dev, rng, B, T, C, hs):
-    """Random bf16 inputs and outputs for timing at (B, T, C), NH = C / hs: (inp, dout, out, lse, dinp, dsum)."""
+    """Random bf16 inputs and outputs for timing at (B, T, C), NH = C // hs heads (NH * hs channels: C unless
+    hs does not divide it): (inp, dout, out, lse, dinp, dsum)."""
     from llmz.bf16 import f32_to_bf16
     NH = C // hs
+    C = NH * hs
     return (dev.asarray(f32_to_bf16(rng.normal(size=(B, T, 3 * C)))),
             dev.asarray(f32_to_bf16(rng.normal(size=(B, T, C)))),
             dev.zeros((B, T, C)), dev.zeros((B, NH, T), np.float32), dev.zeros((B, T, 3 * C)),
@@ -396,19 +398,20 @@ def registers():
 def print_table(rows, shapes, sdpa):
     """The final table: one block a timed shape; TFLOP/s of the causal products and their % of the peak."""
     for label, B, T, C, L in shapes:
-        unit = B * C * T * (T + 1)              # one causal product's flops (NH * hs = C)
         print(f"\nflash attention, bf16, {label}; TFLOP/s of the causal products (fwd 2, bwd 5), % of "
               f"{PEAK_TFLOPS:.0f}; errors: worst over the checked shapes")
         print(f"{'version':<38}{'hs':>4}{'fwd ms':>8}{'bwd ms':>8}{'fwd TF':>8}{'bwd TF':>8}{'fwd %':>6}{'bwd %':>6}"
               f"{f'x{L} ms':>8}{'out':>8}{'dq':>8}{'dk':>8}{'dv':>8}{'lse':>8}   result")
         for ver, name, hs, times, w, ok, note in rows:
             f, b, _ = times.get(label, (float("nan"), float("nan"), ""))
+            unit = B * (C // hs * hs) * T * (T + 1)     # one causal product's flops (NH * hs channels)
             tf, tb = 2 * unit / f / 1e9, 5 * unit / b / 1e9
             errs = "".join(f"{w.get(k, float('nan')):8.1e}" for k in ("out", "dq", "dk", "dv", "lse"))
             print(f"{f'{ver} {name}'[:37]:<38}{hs:>4}{f:8.3f}{b:8.3f}{tf:8.0f}{tb:8.0f}{100 * tf / PEAK_TFLOPS:6.1f}"
                   f"{100 * tb / PEAK_TFLOPS:6.1f}{L * (f + b):8.2f}{errs}   {'PASS' if ok else 'FAIL'} {note}")
         if label in sdpa:
             name, f, b = sdpa[label]
+            unit = B * (C // 64 * 64) * T * (T + 1)
             tf, tb = 2 * unit / f / 1e9, 5 * unit / b / 1e9
             print(f"{name[:37]:<38}{64:>4}{f:8.3f}{b:8.3f}{tf:8.0f}{tb:8.0f}{100 * tf / PEAK_TFLOPS:6.1f}"
                   f"{100 * tb / PEAK_TFLOPS:6.1f}{L * (f + b):8.2f}")
