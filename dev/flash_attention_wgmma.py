@@ -16,8 +16,10 @@ cp.async as version 5's (fence.proxy.async then makes the copies visible to the 
 Descriptors (PTX ISA, "Matrix Descriptor Format"): K-major 128B swizzle: stride byte offset 1024 (the next 8
 rows), leading byte offset unused (16), k-step kk at +32 bytes; MN-major 128B swizzle (V): stride 1024 (the
 next 8 keys), leading 8192 (the next 64 channels: none), k-step kk (16 keys) at +2048 bytes.
-Block: 2 warpgroups, 128 query rows (64 a warpgroup, 16 a warp); a warpgroup skips the key tiles past its
-last row. Synchronous (each product waited for before the next): no overlap of softmax and products yet.
+Block: 2 warpgroups, 128 query rows (64 a warpgroup, 16 a warp), 2 blocks an SM (ptxas: 126 registers, no
+spills, 32 KiB of shared memory); a warpgroup skips the key tiles past its last row. Each product is waited
+for before the next (no overlap within a warpgroup of the softmax and the products, FlashAttention-3's
+ping-pong and intra-warpgroup pipelining); the 4 warpgroups of an SM overlap each other instead.
 wgmma_probe_kernel checks the instruction, descriptors and layouts alone: python dev/flash_attention_wgmma.py
 (a process of its own: dev/flash_attention.py runs it so, before version 12, so that a fault stays there).
 """
@@ -56,6 +58,7 @@ SMEM_WORDS = BUF_BYTES // 2  # two buffers, in words
 WG_ROWS = 64                # query rows a warpgroup
 FWD_ROWS = 128              # two warpgroups a block
 FWD_THREADS = 256
+FWD_BLOCKS_PER_SM = 2        # <= 128 registers a thread: 16 warps an SM
 
 
 # ---- the instructions -----------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def load_tiles_sw128(dst, x, wx, wy, b, r0, tid):
 
 
 
-@cuda.jit(fastmath=True, **launch_bounds(FWD_THREADS, 1))
+@cuda.jit(fastmath=True, **launch_bounds(FWD_THREADS, FWD_BLOCKS_PER_SM))
 def flash_forward_wgmma_kernel(out, lse, inp, scale_log2):
     # As llmz.fast's flash_forward_mma_kernel (same arguments, same contract), the products on wgmma: block
     # (query tile of FWD_ROWS, h, b), the longest first; warpgroup x: rows r0 + 64x.., warp w: 16 of them.
