@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass
 
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
+from llmz.threads import share_cores
 
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
@@ -76,6 +77,7 @@ def init_ranks() -> RankInfo:
     hosts = world.allgather(hostname)
     local_rank = sum(1 for h in hosts[:rank] if h == hostname)
     local_size = sum(1 for h in hosts if h == hostname)
+    share_cores(local_size)             # one BLAS pool per rank, sized to the cores this host's ranks share
     return RankInfo(rank, size, local_rank, local_size, hostname)
 
 
