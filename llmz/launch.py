@@ -25,6 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from llmz.environment import lone_rank_line
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
 from llmz.threads import share_cores
 
@@ -72,6 +73,8 @@ def init_ranks() -> RankInfo:
     rank, size = world.Get_rank(), world.Get_size()
     hostname = MPI.Get_processor_name()
     if size == 1:
+        if _launcher_world_size() > 1:              # another MPI's mpiexec: each rank alone in its world
+            raise LlmzError(lone_rank_line(_launcher_world_size(), MPI.Get_library_version()))
         return RankInfo(0, 1, 0, 1, hostname)
     # local rank: how many ranks before me share my host (llm.c gathers hostname hashes the same way)
     hosts = world.allgather(hostname)
