@@ -280,15 +280,16 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         try:
+            # the source first (a bad one leaves no output folder behind), then the output
             if args.to_hf:
+                model_header(args.source)
                 prepare_folder(args.to_hf, "--to-hf")
-                model_header(args.source)               # a bad model file: refused before any work
             else:
-                prepare_output(args.to_llmc, "--to-llmc")
                 if not os.path.isdir(args.source):
                     raise LlmzError(f"{args.source}: not a folder; --to-llmc reads a Hugging Face GPT-2 folder "
                                     f"(config.json, model.safetensors)")
                 read_hf_config(args.source)
+                prepare_output(args.to_llmc, "--to-llmc")
         except LlmzError as e:
             raise UsageError(str(e)) from None
         line = (to_hf(args.source, args.to_hf, args.dtype) if args.to_hf
