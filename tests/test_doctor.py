@@ -54,8 +54,13 @@ def test_under_another_environments_launcher_the_line_names_it(monkeypatch, tmp_
 
 def test_a_lone_rank_under_a_launcher_of_two_is_refused_in_one_line():
     pytest.importorskip("mpi4py")
-    # Open MPI's variable, which MPICH's mpi4py ignores: MPI sees a world of 1 (mpi4py's own warning silenced)
-    env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "PYTHONPATH": str(REPO)}
+    code = "import mpi4py; mpi4py.rc.initialize = False\nfrom mpi4py import MPI; print(MPI.Get_library_version())"
+    lib = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         timeout=60).stdout
+    # the other MPI's launcher variable, which this one ignores: MPI sees a world of 1 (mpi4py's own warning
+    # about it silenced)
+    var = "PMI_SIZE" if "open mpi" in lib.lower() else "OMPI_COMM_WORLD_SIZE"
+    env = {**os.environ, var: "2", "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-W", "ignore", "-m", "llmz.train", "--steps", "1"], cwd=REPO, env=env,
                        capture_output=True, text=True, check=False, timeout=120)
     assert p.returncode == 2, p.stderr
