@@ -14,6 +14,7 @@ import sys
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 LAUNCHER_PROCESSES = ("hydra_pmi_proxy", "orted", "prted", "mpiexec", "mpirun")
 INSTALL = 'pip install -e ".[mpi]"'
+EXTRAS = {"cupy": "gpu", "cupyx": "gpu", "cupy_backends": "gpu", "ml_dtypes": "gpu", "tiktoken": "bpe"}
 
 
 # ---- a Python that lacks llmz's requirements -------------------------------------------------------------
@@ -39,6 +40,9 @@ def missing_module_line(name: str) -> str:
         return (f"error: no module named {name!r} in {here}: the mpiexec of {launcher} started a Python "
                 f"that is not its environment's; use that environment's Python ({fix}) or that Python's own "
                 f"mpiexec")
+    if name in EXTRAS:
+        return f"error: no module named {name!r} in {here}: install llmz's {EXTRAS[name]} extra: " \
+               f'pip install -e ".[{EXTRAS[name]}]"'
     venv = "activate the virtual environment they are in (. .venv/bin/activate), or " \
         if sys.prefix == sys.base_prefix else ""
     return (f"error: no module named {name!r} in {here}: llmz's requirements are not installed in this Python; "
