@@ -62,14 +62,20 @@ def mpi_rows() -> list[tuple[str, str, str | None]]:
     if version("mpi4py") is None:
         rows.append(("mpi4py", "not installed: one rank only", INSTALL))
     else:
+        # in a process of its own: a broken libmpi may crash it, and MPI, once imported here uninitialised,
+        # could not serve this process later
+        code = "import mpi4py; mpi4py.rc.initialize = False\nfrom mpi4py import MPI; print(MPI.Get_library_version())"
         try:
-            import mpi4py
-            mpi4py.rc.initialize = mpi4py.rc.finalize = False       # the version needs no MPI_Init
-            from mpi4py import MPI
-            lib = mpi_library(MPI.Get_library_version())
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+            ok = out.returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out, ok = e, False
+        if ok:
+            lib = mpi_library(out.stdout)
             rows.append(("mpi4py", f"{version('mpi4py')} on {lib}", None))
-        except Exception as e:  # noqa: BLE001  (a missing or broken libmpi: the same advice)
-            rows.append(("mpi4py", f"{version('mpi4py')}, but its MPI library does not load ({e})", INSTALL))
+        else:
+            why = str(getattr(out, "stderr", None) or out).strip().splitlines()[-1:] or ["?"]
+            rows.append(("mpi4py", f"{version('mpi4py')}, but its MPI library does not load ({why[0][:100]})", INSTALL))
     on_path = shutil.which("mpiexec")
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if on_path is None:

@@ -12,7 +12,7 @@ from mpirun import REPO
 
 
 def collected() -> set[str]:
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly"], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"], cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return {line for line in p.stdout.splitlines() if "::" in line}
