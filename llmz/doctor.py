@@ -109,7 +109,8 @@ def gpu_rows() -> list[tuple[str, str, str | None]]:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001  (no driver, no device: CuPy raises its own kinds)
-        return [("cupy", f"installed, but sees no GPU ({type(e).__name__}: {str(e).splitlines()[0][:80]})",
+        why = (str(e).splitlines() or [""])[0][:80]
+        return [("cupy", f"installed, but sees no GPU ({type(e).__name__}: {why})",
                  "check the NVIDIA driver: nvidia-smi")]
     rows = [("cupy", f"{cupy.__version__}, {n} GPU{'s' if n != 1 else ''}", None if n else "no CUDA device visible")]
     try:
@@ -122,7 +123,8 @@ def gpu_rows() -> list[tuple[str, str, str | None]]:
         p = cupy.cuda.runtime.getDeviceProperties(i)
         cc = (p["major"], p["minor"])
         bf16 = cc >= (8, 0)
-        what = f"{p['name'].decode()}, sm_{cc[0]}{cc[1]}, {p['totalGlobalMem'] / 2**30:.0f} GiB"
+        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+        what = f"{name}, sm_{cc[0]}{cc[1]}, {p['totalGlobalMem'] / 2**30:.0f} GiB"
         rows.append((f"gpu {i}", f"{what}; bf16 {'yes' if bf16 else 'no'}",
                      None if bf16 else "bf16 needs sm_80 or newer (A100, H100): train in fp32 (the default)"))
     return rows
@@ -175,8 +177,8 @@ def report() -> tuple[list[str], bool]:
                                                                    "no GPU"), "the fast kernels on the GPU"),
             ("--precision bf16 on the GPU", any(f is None for *_, f in gpus), "needs a GPU of sm_80 or newer",
              "bf16 tensor cores"),
-            ("--comm nccl", bool(gpus) and has.get("nccl", False), "needs a GPU per rank and CuPy's NCCL",
-             "NCCL between GPUs"),
+            ("mpiexec -n 2 ... --comm nccl", len(gpus) >= 2 and has.get("nccl", False),
+             f"needs a GPU per rank ({len(gpus)} here) and CuPy's NCCL", "NCCL between GPUs"),
             ("--tokenizer gpt2", has["tiktoken"], 'pip install -e ".[bpe]"', "GPT-2's BPE")]
     width = max(len(name) for name, *_ in rows)
     lines = ["llmz doctor: what this machine has"]
