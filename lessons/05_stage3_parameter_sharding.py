@@ -1,7 +1,7 @@
 """Lesson 05 - ZeRO stage 3, parameter sharding: gather each block's parameters just before it runs.
 
 What changes from lesson 03: stage 2 still keeps every parameter (bΨ) on every rank, although each rank
-updates only its slice. Stage 3 keeps only that slice (llmz.zero.Stage3) and fetches a block's full
+updates only its slice. Stage 3 keeps only that slice (llmz.zero.params.GatheredParameters) and fetches a block's full
 parameters from the other ranks the moment the model asks for them (`p.bucket(b)` in llmz/model.py, the
 twin of the gradient store's `grads.bucket(b)`):
   * two parameter slots: before block l's forward its parameters are all-gathered into slot l % 2 (every
@@ -65,7 +65,7 @@ def lesson(a, ranks) -> int:
         run3.comm.reset_counters()
         run3.zero.all_gathers.clear()
         losses3.append(run3.step(step)["loss"])
-        gathers.append(list(run3.zero.all_gathers))          # the buckets Stage3 gathered, in order
+        gathers.append(list(run3.zero.all_gathers))          # the buckets stage 3 gathered, in order
         counted.append(run3.comm.calls["all_gather"])        # the all-gathers the communicator ran
         sent.append(run3.comm.bytes_sent)
         if step == traced and ranks.rank == 0:

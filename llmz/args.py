@@ -323,7 +323,8 @@ def check_sample(args, kind: str = "cpu"):
 
 
 def _check_sample(args, kind: str):
-    from .checkpoint import model_config
+    from .checkpoint import model_config, model_header
+    from .sample import window
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
     check_seed(args)
@@ -336,7 +337,7 @@ def _check_sample(args, kind: str):
         fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
     # memory: the file's values, their copy in llmz's layout, the device's copy (cpu, sim), activations of B=1
     from .memory import activation_elements
-    T = args.seq_len or min(cfg.max_seq_len, 256)
+    T = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])[0]
     fits_in_memory((8 if kind == "gpu" else 12) * cfg.num_parameters() + 8 * sum(activation_elements(cfg, 1, T)),
                    f"--init-from {args.init_from}: sampling from this model (L={cfg.num_layers} C={cfg.channels} "
                    f"V={cfg.vocab_size} maxT={cfg.max_seq_len})")

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from . import threads
 from .args import TRACE_STAGES
 from .bf16 import bf16_to_f32
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
@@ -359,7 +360,7 @@ class Run:
         host = self.host_params()
         if self.rank == 0:
             save_model(os.path.join(folder, state.MODEL_FILE), self.config, host, self.layout,
-                       dtype=self.model_dtype())
+                       dtype=self.model_dtype(), seq_len=self.args.seq_len)
         meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
                 "zero_stage": self.args.zero_stage, "precision": self.args.precision,
                 "config": self.config.to_dict(), "flags": resume_flags(self.args),
@@ -381,7 +382,7 @@ class Run:
         self.refuse_non_finite(step, f"--save {path}")
         host = self.host_params()
         if self.rank == 0:
-            save_model(path, self.config, host, self.layout, dtype=self.model_dtype())
+            save_model(path, self.config, host, self.layout, dtype=self.model_dtype(), seq_len=self.args.seq_len)
 
     def diverged(self, step: int, loss: float, grad_norm: float | None = None) -> str | None:
         """Why the run must stop at `step`, or None: a non-finite loss or gradient norm, or a loss above
@@ -576,7 +577,7 @@ def train(args, kind: str, ranks) -> dict:
         kernels = (f"{d.kernel_set} kernels (matmul {d.matmul}, attention {d.attention})" if d.kernels
                    else "the NumPy references")
         say(f"llmz: {d.kind} {args.precision}, {kernels}, {ranks.world_size} rank(s), comm {run.comm.name}, "
-            f"ZeRO stage {args.zero_stage}")
+            f"ZeRO stage {args.zero_stage}; {threads.note(ranks.local_size)}")
         say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} Vp={c.padded_vocab_size} "
             f"maxT={c.max_seq_len}: {c.num_parameters():,} parameters")
         say(f"batch: B={args.batch_size} T={args.seq_len} K={args.grad_accum} x {ranks.world_size} ranks = "
