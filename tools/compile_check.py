@@ -180,9 +180,10 @@ def dev_signatures(bf16: bool) -> dict:
 
 
 def numbered(ptx: str) -> str:
-    """The PTX with its mangled names (which carry the module path) numbered in order of appearance."""
+    """The PTX with its mangled names (which carry the module path) and its shared arrays' names (a counter of
+    the process: they change with what was compiled before) numbered in order of appearance."""
     names: dict[str, str] = {}
-    return re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0), f"NAME{len(names)}"), ptx)
+    return re.sub(r"_Z\w+|_cudapy_smem_\d+", lambda m: names.setdefault(m.group(0), f"NAME{len(names)}"), ptx)
 
 
 def kernel_of(target: str):
