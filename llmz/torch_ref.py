@@ -169,7 +169,8 @@ def main(argv=None) -> int:
         print("python -m llmz.torch_ref needs PyTorch: pip install torch", file=sys.stderr)
         return 2
     peak = f"peak {r['peak_bytes'] / 2**30:.2f} GiB" if r["peak_bytes"] is not None else "peak n/a on cpu"
-    print(f"torch {r['torch_version']} {'compiled' if args.compile else 'eager'} {args.attention} {args.precision} on {args.device}, model "
+    mode = "compiled" if args.compile else "eager"
+    print(f"torch {r['torch_version']} {mode} {args.attention} {args.precision} on {args.device}, model "
           f"{args.model} B={B} T={T}: {r['ms']:.1f} ms/step (median of {args.steps}) "
           f"{r['tokens_per_s']:.0f} tokens/s {peak}, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
     return 0
