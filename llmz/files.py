@@ -294,8 +294,8 @@ def check_log(path: str, flag: str = "--log") -> None:
                 return                          # a torn last line, left by a crash
             shown = line[:40].decode("utf-8", "replace").strip()
             raise LlmzError(f"{flag} {path}: not an llmz log (line {n}, {shown!r}, is not "
-                            f"{'a start record' if n == 1 else 'a JSON record'}); llmz would "
-                            f"{'overwrite' if n == 1 else 'trim'} it: name another file")
+                            f"{'a start record' if n == 1 else 'a JSON record'}); a run would overwrite it, a "
+                            f"resume trim it: name another file")
 
 
 class JsonLog:

@@ -38,6 +38,7 @@ measured waits; the largest is seconds, a factor of 10 and more below the defaul
 from __future__ import annotations
 
 import collections
+import faulthandler
 import math
 import os
 import pickle
@@ -56,6 +57,7 @@ SPIN_S = 1.0                  # spin on MPI_Test (as MPI's blocking calls do) th
 CHECK_S = 0.01                # how often a waiting rank checks the deadline, its alarm and its peers
 ASK_S = 1.0                   # how long a rank waits for the other ranks' boards at expiry
 GRACE_S = 1.0                 # after its line, how long a rank lets the others print theirs before MPI_Abort
+LAST_RESORT_S = 8.0           # after its line, the process exits (status 1) whatever hangs: see Watch.end
 POLL_S = 0.05                 # how often the NCCL watchdog thread queries its events
 
 SURVEY_S = 0.3                # at expiry, the boards are read twice this far apart: who is still waiting
@@ -239,9 +241,7 @@ class Watch:
             b, beating = got
             if beating or b[DONE] >= seq:
                 continue
-            op = OPS[b[OP]] if 0 <= b[OP] < len(OPS) else "?"
-            what = [f"it stopped {'inside it' if b[POSTED] == seq else f'after entering {op} #{b[POSTED]}'} "
-                    f"{_at(None if b[STEP] < 0 else int(b[STEP]))}"]
+            what = [f"it stopped {_where(b, seq)}"]
             pid = next((pid for q, pid, _ in self.neighbours if q == r), None)
             state = process_state(pid)[0] if pid else None
             if state in STATES:
@@ -253,9 +253,9 @@ class Watch:
 
     def peer_died(self, r: int, pid: int, op: str, seq: int, step, on_expiry=None) -> None:
         self.ending.acquire()
-        b = self.boards([r], within=0.02).get(r)    # quickly: the launcher is ending the job already
-        last = f"; it last finished #{b[DONE]} {_at(None if b[STEP] < 0 else int(b[STEP]))}" if b is not None \
-            else ""
+        # its board, quickly: the launcher is ending the job already
+        b = self.boards([r], within=0.02).get(r) if self.win is not None else None
+        last = f" {_where(b, seq)}" if b is not None else ""
         self.end(f"error: rank {r} (pid {pid} on {self.hosts[r]}) died{last}; this rank waits for it in {op} "
                  f"#{seq} {_at(step)}", PEER_DIED_EXIT, on_expiry)
 
@@ -264,6 +264,10 @@ class Watch:
         prefix = f"rank {self.rank}: " if self.size > 1 else ""
         print(prefix + line, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        # what follows may block for good (CuPy's ncclCommAbort holds the GIL, and NCCL's abort can wait on
+        # the device): faulthandler's thread, which needs no GIL, ends the process LAST_RESORT_S later if so
+        self.quiet = open(os.devnull, "w")      # noqa: SIM115  (kept open until the process ends)
+        faulthandler.dump_traceback_later(LAST_RESORT_S, exit=True, file=self.quiet)
         if on_expiry is not None:
             on_expiry()
         if self.size > 1:
@@ -301,6 +305,16 @@ def _op_code(op: str) -> int:
 
 def _at(step) -> str:
     return "before the first step" if step is None else f"at step {step}"
+
+
+def _where(board, seq: int) -> str:
+    """Where a rank's board says it is, seen from collective #seq: "inside it", "inside all_gather #7 at step
+    2" (entered, not finished), or "after all_gather #7 at step 2" (its last, finished)."""
+    if board[POSTED] >= seq and board[DONE] < seq:
+        return "inside it"
+    op = OPS[board[OP]] if 0 <= board[OP] < len(OPS) else "?"
+    return (f"{'after' if board[DONE] >= board[POSTED] else 'inside'} {op} #{board[POSTED]} "
+            f"{_at(None if board[STEP] < 0 else int(board[STEP]))}")
 
 
 class NcclWatchdog:
