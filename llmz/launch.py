@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
-from llmz.watchdog import Watch
+from llmz.watchdog import Watch, abort_job
 
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
@@ -122,6 +122,41 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     return RankInfo(rank, size, local_rank, local_size, hostname, watch)
 
 
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks a launcher (mpiexec, started as launcher_pid) runs on this host, Linux: the
+    Python processes under it whose environment holds the launcher's PMI_RANK or OMPI_COMM_WORLD_RANK. For
+    tests and tools that stop or kill one rank of a job."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+
+    def under_launcher(pid: int) -> bool:
+        while pid in parent and pid != launcher_pid:
+            pid = parent[pid]
+        return pid == launcher_pid
+
+    ranks = {}
+    for pid in parent:
+        if pid == launcher_pid or not under_launcher(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                python = os.path.basename(f.read().split(b"\0")[0]).startswith(b"python")
+        except OSError:
+            continue
+        rank = next((env[v.encode()] for v in _LAUNCHER_RANK_VARS if v.encode() in env), None)
+        if python and rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
 def start_failed(e: LlmzError) -> int:
     """init_ranks refused to start (before MPI is up, so no rank can speak for the others): the line once,
     from the launcher's rank 0; status 2 on every rank."""
@@ -206,11 +241,11 @@ def _die(rank: int, world_size: int, line: str | None, code: int, delay: float =
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if world_size > 1:
-        # MPI_Abort: the launcher kills every rank, so none waits forever in a collective.
-        # (MPICH adds its own line "application called MPI_Abort(...)".) The launcher forwards our stderr
-        # through a pipe and drops what it has not forwarded when it kills the job: give it a moment.
+        # MPI_Abort: the launcher kills every rank, so none waits forever in a collective. The launcher
+        # forwards our stderr through a pipe and drops what it has not forwarded when it kills the job: give
+        # it a moment.
         time.sleep(ABORT_GRACE_S)
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+        abort_job(sys.modules["mpi4py.MPI"].COMM_WORLD, code)
     sys.exit(code)
 
 

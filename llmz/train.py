@@ -553,9 +553,10 @@ def train(args, kind: str, ranks) -> dict:
     from .state import check_run_identity
     r0 = ranks.rank == 0
     say = print if r0 else (lambda *a, **k: None)
-    # who generates the printed samples: rank 0, and at ZeRO stage 3 every rank (generating gathers the
-    # parameters, a collective; each rank draws the same tokens from the same seed, rank 0 prints them)
-    samples = r0 or args.zero_stage == 3
+    # the printed samples: every rank generates them, each drawing the same tokens from the same seed, rank 0
+    # prints them (at ZeRO stage 3 generating gathers the parameters, a collective; at the other stages a
+    # rank that did not generate would wait that long for rank 0 in its next collective, a wait the collective
+    # watchdog's deadline would have to cover)
     locks: list = []
     log = run = None
     step = None
@@ -613,7 +614,7 @@ def train(args, kind: str, ranks) -> dict:
                     log.write({"step": step, "val_loss": vl})
                 if not math.isfinite(vl):
                     stop(f"step {step}: non-finite validation loss {vl}")
-            if args.sample_every and args.sample_tokens and step > 0 and step % args.sample_every == 0 and samples:
+            if args.sample_every and args.sample_tokens and step > 0 and step % args.sample_every == 0:
                 say("---\n" + run.sample_text() + "\n---")
             if args.trace and step == trace_step:
                 run.tracer.start()
@@ -682,7 +683,7 @@ def train(args, kind: str, ranks) -> dict:
             lock.release()
     run.comm.barrier()
     # only now, with everything written, the sample
-    if samples and args.sample_tokens:
+    if args.sample_tokens:
         say("--- sample ---\n" + run.sample_text() + "\n--------------")
     return summary
 

@@ -95,36 +95,3 @@ def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None 
                     f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
-
-def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
-    """{rank: pid} of the ranks a start_mpi job runs (Linux: the processes under mpiexec whose environment
-    holds the launcher's PMI_RANK / OMPI_COMM_WORLD_RANK, the Python ones, not Hydra's proxies)."""
-    parent = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-
-    def under_job(pid: int) -> bool:
-        while pid in parent and pid != proc.pid:
-            pid = parent[pid]
-        return pid == proc.pid
-
-    ranks = {}
-    for pid in parent:
-        if pid == proc.pid or not under_job(pid):
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                python = os.path.basename(f.read().split(b"\0")[0]).startswith(b"python")
-        except OSError:
-            continue
-        rank = env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK"))
-        if python and rank is not None:
-            ranks[int(rank)] = pid
-    return ranks

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from llmz import watchdog
+from llmz.launch import rank_pids
 from llmz.state import latest_checkpoint, load_checkpoint
 from llmz.watchdog import BEAT, DONE, OP, POSTED, STEP, TIMEOUT_EXIT, Watch, peek_timeout
-from mpirun import rank_pids, run_mpi, start_mpi
+from mpirun import run_mpi, start_mpi
 
 WORKER = "tests/mpi_comm_worker.py"
 TIMEOUT = 3                      # --collective-timeout of these tests
@@ -138,7 +139,7 @@ def train_and_freeze(tmp_path, nproc: int, stage: int, extra=(), victim: int | N
             if log.exists() and sum('"loss"' in line for line in log.read_text().splitlines()) >= 12:
                 break
             time.sleep(0.1)
-        pids = rank_pids(proc)
+        pids = rank_pids(proc.pid)
         assert len(pids) == nproc, pids
         os.kill(pids[nproc - 1 if victim is None else victim], signal.SIGSTOP)
         stopped = time.time()
