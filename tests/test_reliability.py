@@ -610,8 +610,8 @@ def test_any_bytes_of_a_prompt_encode_and_a_lone_surrogate_or_too_many_tokens_ar
     assert main([*base, "--prompt", os.fsdecode(b"ab\xff\xfe"), "--tokens", "3"]) == 0
     capsys.readouterr()
     for argv, expect in [(["--prompt", "a\ud800"], "--prompt: character U+D800 at position 1 is a lone surrogate"),
-                         (["--tokens", str(MAX_TOKENS + 1)], f"--tokens {MAX_TOKENS + 1}: must be in 0 .. 1,000,000"),
-                         (["--tokens", str(2**63)], f"--tokens {2**63}: must be in 0 .. 1,000,000")]:
+                         (["--tokens", str(MAX_TOKENS + 1)], f"--tokens {MAX_TOKENS + 1}: must be at most 1,000,000"),
+                         (["--tokens", str(2**63)], f"--tokens {2**63}: must be at most 1,000,000")]:
         assert main([*base, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {expect}") and err.count("\n") == 1, err

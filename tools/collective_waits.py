@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmz import watchdog  # noqa: E402
-from llmz.train import main  # noqa: E402
+from llmz import watchdog
+from llmz.train import main
 
 entered: dict[int, tuple[float, str, int | None]] = {}
 waits: list[tuple[float, str, int, int | None]] = []
