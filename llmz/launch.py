@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
-from llmz.watchdog import Watch, abort_job
+from llmz.watchdog import Watch, abort_job, say_line
 
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
@@ -237,8 +237,7 @@ def _die(rank: int, world_size: int, line: str | None, code: int, delay: float =
     if delay and world_size > 1:
         time.sleep(delay)
     if line is not None:
-        prefix = f"rank {rank}: " if world_size > 1 else ""
-        print(f"{prefix}{line}", file=sys.stderr, flush=True)
+        say_line((f"rank {rank}: " if world_size > 1 else "") + line)
     sys.stdout.flush()
     if world_size > 1:
         # MPI_Abort: the launcher kills every rank, so none waits forever in a collective. The launcher

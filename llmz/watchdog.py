@@ -268,8 +268,7 @@ class Watch:
 
     def end(self, line: str, code: int, on_expiry=None) -> None:
         """Print the line, end this rank's communicator (on_expiry), let the others print, end the job."""
-        prefix = f"rank {self.rank}: " if self.size > 1 else ""
-        print(prefix + line, file=sys.stderr, flush=True)
+        say_line((f"rank {self.rank}: " if self.size > 1 else "") + line)
         sys.stdout.flush()
         # what follows may block for good (CuPy's ncclCommAbort holds the GIL, and NCCL's abort can wait on
         # the device): faulthandler's thread, which needs no GIL, ends the process LAST_RESORT_S later if so
@@ -290,6 +289,14 @@ class Watch:
             win, self.win = self.win, None
             win.Unlock_all()
             win.Free()
+
+
+def say_line(line: str) -> None:
+    """One line on stderr in one write: the launcher forwards every rank's stderr into one stream, and a line
+    that print() wrote as two pieces (the text, then the newline) can come out with another rank's line
+    between them."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode("utf-8", "replace"))
 
 
 def abort_job(world, code: int) -> None:

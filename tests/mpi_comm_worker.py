@@ -12,8 +12,9 @@
     mpiexec -n N python tests/mpi_comm_worker.py vanish
         the last rank exits (status 0, no MPI_Finalize) during a loop of collectives: the others must name it
     python tests/mpi_comm_worker.py hang --device gpu --comm nccl --timeout S
-        one rank: a kernel that never ends holds the comm stream, then an all-reduce is queued behind it;
-        the NCCL watchdog thread must abort the communicator and end the process within S + 10 s
+        one rank: a kernel that spins until the communicator is aborted holds the comm stream, and an
+        all-reduce is queued behind it; the NCCL watchdog thread must print one line, abort the communicator
+        and end the process (status 124) within S + 10 s
 Every rank can rebuild every rank's input (seeded by rank), so each checks the full answer itself.
 """
 import argparse
@@ -211,7 +212,12 @@ def vanishing(ranks, args) -> None:
 
 
 def hung(ranks, args) -> None:
-    """A collective that can never run: the comm stream is held by a kernel that spins for ever."""
+    """A collective that cannot run: the comm stream is held by a kernel that spins until a flag is set. It
+    stands for an NCCL kernel waiting for a peer that never comes (one process on one GPU cannot make NCCL
+    itself wait: NCCL refuses two ranks on one GPU), and like NCCL's kernels it gives up when the communicator
+    is aborted: the abort hook sets its flag (from a stream of its own, which does not wait for the comm
+    stream), then calls ncclCommAbort."""
+    import cupy
     from numba import cuda
 
     @cuda.jit
@@ -224,11 +230,15 @@ def hung(ranks, args) -> None:
     comm.all_reduce(buf)                        # one that completes
     dev.synchronize()
     flag = dev.zeros(1, np.int32)
-    spin[1, 1, dev.comm_stream.numba](flag)
+    release = cupy.cuda.Stream(non_blocking=True)
+    abort = comm.watchdog.abort
+    comm.watchdog.abort = lambda: (flag.set(np.ones(1, np.int32), stream=release), abort())
+    dev.launch(spin, 1, 1, flag, stream=dev.comm_stream)
     comm.watch.step = 7
     comm.all_reduce(buf)                        # queued behind the spin: never starts
     print(f"rank {ranks.rank}: waiting at {time.time():.3f}", flush=True)
-    dev.synchronize()                           # blocks here until the watchdog ends the process
+    dev.synchronize()                           # blocks here until the watchdog acts
+    time.sleep(60)                              # the watchdog ends the process meanwhile
     print(f"rank {ranks.rank}: still alive", flush=True)
 
 
