@@ -117,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
       "another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
     a("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS", help="end the job, naming "
       "the collective, the step and the rank(s) that did not arrive, when a collective between ranks waits longer "
-      "than this (a rank stopped, hung or dead). The default, PyTorch's, is far above the longest legitimate "
-      "wait of one rank for another (measured in BENCHMARKS.md: the first step's compilation, a checkpoint or "
-      "a sample that rank 0 writes alone, CUDA graph capture: seconds); raise it only if rank 0 spends longer "
-      "than this alone (huge --sample-tokens with --sample-every, a very slow filesystem)")
+      "than this (a rank stopped, hung or dead). The default, PyTorch's, is 40x the longest legitimate wait of "
+      "one rank for another (BENCHMARKS.md: the checkpoint whose model file rank 0 writes alone, the first step's "
+      "compilation, CUDA graph capture: seconds); raise it only for a filesystem that takes minutes to write a "
+      "checkpoint")
     return p
 
 
