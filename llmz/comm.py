@@ -39,7 +39,7 @@ import numpy as np
 
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.errors import LlmzError
-from llmz.launch import RankInfo, allgather
+from llmz.launch import AgreedError, RankInfo, allgather
 from llmz.watchdog import NcclWatchdog, Watch
 
 COMM_KINDS = ("auto", "nccl", "mpi")
@@ -282,8 +282,8 @@ class NcclCommunicator(Communicator):
         from mpi4py import MPI
         super().__init__(ranks, dev)
         shared = shared_gpus(ranks, dev)
-        if shared:
-            raise LlmzError(f"NCCL cannot run {shared}; use --comm mpi")
+        if shared:              # every rank found the same (a collective): one line, from rank 0
+            raise AgreedError(f"NCCL cannot run {shared}; use --comm mpi", 2)
         self.world = MPI.COMM_WORLD
         self._nccl_module = nccl
         # rank 0 makes the unique id (128 bytes), MPI carries it to the others, all join the communicator
