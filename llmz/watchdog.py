@@ -4,12 +4,12 @@ A rank that stops (SIGSTOP, a dead GPU, a filesystem that hangs, a deadlocked ho
 others inside a collective for ever: MPI's blocking calls and NCCL's kernels wait without a deadline. So,
 as PyTorch's NCCL watchdog and DeepSpeed's timeouts do:
 
-  mpi   every collective is MPI's non-blocking form (Iallreduce, Ireduce_scatter, Iallgatherv, Ibcast, Ibarrier)
-        and `Watch.wait` tests it in a loop with a deadline: spinning for the first 50 us (ranks in step
-        finish a small collective in microseconds), then yielding the core between tests as MPICH's own
-        blocking wait does (free cores: the yield returns at once; a rank sharing its core with a peer lets
-        the peer run), then, past a second, sleeping 1 ms between tests (a peer writing a checkpoint). On
-        expiry: one line, then MPI_Abort, which ends every rank.
+  mpi   every collective is MPI's non-blocking form (Ireduce_scatter, Iallgather(v), Ibcast, Ibarrier) and
+        `Watch.wait` tests it in a loop with a deadline: spinning for the first millisecond (ranks in step
+        finish a collective in microseconds), then yielding the core between tests (free cores: the yield
+        returns at once; a rank sharing its core with a peer, or with NumPy's threads, lets them run), then,
+        past a second, sleeping 1 ms between tests (a peer writing a checkpoint). On expiry: one line, then
+        MPI_Abort, which ends every rank.
   nccl  NCCL enqueues a kernel and returns at once; the wait happens on the GPU. A CUDA event is recorded after
         each collective on the comm stream, and a thread on the host (`NcclWatchdog`) queries the oldest one
         against the deadline; on expiry it aborts the communicator (ncclCommAbort: NCCL's kernels give up),
@@ -20,21 +20,26 @@ as PyTorch's NCCL watchdog and DeepSpeed's timeouts do:
 Which rank did not arrive. Every collective has a sequence number (#1, #2, ...), the same on every rank since
 the ranks make the same calls in the same order. Each rank publishes on a small board, one-sided MPI memory
 (MPI_Win_allocate; MPICH maps it as shared memory between the ranks of a host), the number of the last
-collective it entered, the last it finished, its step and the operation. Reading a board (MPI_Rget) needs
-nothing from its owner, so a SIGSTOPped rank's board still answers; a board that does not answer within a
-second (another host's rank that is not driving MPI) is reported as such. The rank whose deadline passes
-reads every board, writes an alarm into every other board, prints its line, waits a second for the others
-to print theirs (each rank waiting in a collective checks its own board's alarm, and reads the boards
-likewise), and calls MPI_Abort. A rank of this host that died (killed, crashed) is seen at once: a rank
-waiting for it checks every 10 ms that its peers on this host still run (the launcher ends the job a few
-tenths of a second later; a dead rank elsewhere can only be seen by that launcher).
+collective it entered, the last it finished, its step and the operation, and a beat that counts up while it
+waits in a collective. Reading a board (MPI_Rget) needs nothing from its owner, so a SIGSTOPped rank's board
+still answers; a board that does not answer within a second (another host's rank that is not driving MPI)
+is reported as such. The rank whose deadline passes reads every board twice, SURVEY_S apart: a rank whose
+beat moved waits too (perhaps behind the one that stopped); one whose beat stood still and that has not
+finished this collective is the one that did not arrive, named with where it stopped (and, on this host,
+what its process is doing: stopped, in the kernel). Then it writes an alarm into every other board, prints
+its line, waits a second for the others to print theirs (each rank waiting in a collective checks its own
+board's alarm and surveys likewise), and calls MPI_Abort. A rank of this host that died (killed, crashed)
+is seen at once: a rank waiting for it checks every 10 ms that its peers on this host still run. The
+launcher kills the job a tenth of a second or so after a death: the line comes out when the waiting rank
+sees it first; a dead rank on another host can only be seen by the launcher.
 
 The default timeout, DEFAULT_TIMEOUT_S, is PyTorch's NCCL default (10 minutes). It must exceed the longest
 legitimate wait of one rank for another, which is not the length of any step (every rank does the same
 work) but the work that one rank does alone while the others wait at the next collective: rank 0 writing
-the model file of a checkpoint or --save, a sample printed during training (--sample-every), and at start
-the ranks' unequal start-up (imports, JIT compilation, CUDA graph capture). BENCHMARKS.md lists the
-measured waits; the largest is seconds, a factor of 10 and more below the default.
+the model file of a checkpoint or --save, and the ranks' unequal start-up (imports, JIT compilation, CUDA
+graph capture). (Samples printed during training are generated by every rank for this reason: rank 0
+alone took 48 s once, on a CPU.) BENCHMARKS.md lists the measured waits; the largest is seconds, 40x below
+the default.
 """
 from __future__ import annotations
 
