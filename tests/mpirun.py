@@ -94,4 +94,3 @@ def run_mpi(nproc: int, args: list[str], timeout: float = 120, env: dict | None 
         pytest.fail(f"{' '.join(proc.args[1:])} still running after {timeout} s (killed)\n"
                     f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
