@@ -45,7 +45,7 @@ from .checkpoint import load_model
 from .config import GPT2Config
 from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
 from .errors import LlmzError, UsageError, before_any_work
-from .files import read_array, read_bytes
+from .files import TMP_SUFFIX, read_array, read_bytes
 from .launch import agree, allgather
 from .layout import Layout
 
@@ -248,12 +248,13 @@ def latest_checkpoint(root: str) -> str | None:
 
 def prepare_step_dir(folder: str, world_size: int) -> None:
     """Rank 0, before anyone writes: make the folder; drop a DONE and state files of ranks >= world_size
-    left by an earlier run, so the folder is never complete with a mix of two runs' files."""
+    left by an earlier run, so the folder is never complete with a mix of two runs' files, and the temporary
+    files of an earlier attempt whose writer was killed (no rank of this run writes here yet)."""
     try:
         os.makedirs(folder, exist_ok=True)
         for name in os.listdir(folder):
             m = STATE_FILE.match(name)
-            if name == DONE_FILE or (m and int(m.group(1)) >= world_size):
+            if name == DONE_FILE or (m and int(m.group(1)) >= world_size) or name.endswith(TMP_SUFFIX):
                 os.unlink(os.path.join(folder, name))
     except OSError as e:
         raise LlmzError(f"{folder}: cannot prepare the checkpoint folder ({e.strerror or e})") from None

@@ -674,3 +674,13 @@ def test_mpi_refuses_to_start_under_a_file_size_limit_it_cannot_work_with_in_one
     # one process needs no MPI: it trains under the same limit
     assert run_cli("-c", code, *TINY, "--steps", "1").returncode == 0
     assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] != 51200
+
+
+def test_a_checkpoint_folder_written_again_drops_what_a_killed_writer_left(tmp_path):
+    from llmz.state import prepare_step_dir
+    folder = tmp_path / "step_000020"
+    folder.mkdir()
+    for name in ("DONE", "state_rank0.bin", "state_rank1.bin.4f3iiiwp.tmp", "model.bin.x1y2z3w4.tmp", "state_rank3.bin"):
+        (folder / name).write_text("earlier attempt")
+    prepare_step_dir(str(folder), world_size=2)         # before any rank of this attempt writes there
+    assert sorted(p.name for p in folder.iterdir()) == ["state_rank0.bin"]
