@@ -22,6 +22,7 @@ import numpy as np
 
 from llmz.device import ATTENTIONS, KERNEL_SETS, KINDS, resolve
 from llmz.errors import UsageError
+from llmz.launch import allgather
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -151,10 +152,7 @@ def apply_break(stage) -> None:
 # ---- across ranks -----------------------------------------------------------------------------------------
 def gather(ranks, obj) -> list:
     """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
-    if ranks.world_size == 1:
-        return [obj]
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.allgather(obj)
+    return allgather(ranks, obj)                # under the collective watchdog (llmz.watchdog)
 
 
 def params_hash(run) -> str:

@@ -214,8 +214,11 @@ def _check_train(args, kind: str, world_size: int) -> None:
     # numbers
     positive(args, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
              "max_loss")
+    from .sample import MAX_TOKENS
     non_negative(args, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every", "keep",
                  "lr", "weight_decay", "grad_clip")
+    need(args, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
+    positive(args, "collective_timeout")
     need(args, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(args, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
     check_seed(args)
@@ -324,9 +327,10 @@ def check_sample(args, kind: str = "cpu"):
 
 def _check_sample(args, kind: str):
     from .checkpoint import model_config, model_header
-    from .sample import window
+    from .sample import MAX_TOKENS, window
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
+    need(args, ["tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
     check_seed(args)
     check_kernels(args, kind)
     try:

@@ -18,6 +18,7 @@ from . import threads
 from .args import TRACE_STAGES
 from .bf16 import bf16_to_f32
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
+from .watchdog import DEFAULT_TIMEOUT_S
 
 # storage dtype of each --precision: bf16 values are kept as their uint16 bit patterns (llmz.bf16)
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "bf16": np.uint16}
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
       "at the last")
     a("--val-batches", type=int, default=10, help="batches per validation loss (at most the val data's)")
     a("--sample-every", type=int, default=0, help="print a sample every N steps; 0 = only at the end")
-    a("--sample-tokens", type=int, default=200, help="tokens per printed sample; 0 = no samples")
+    a("--sample-tokens", type=int, default=200, help="tokens per printed sample (at most 1,000,000); 0 = no "
+      "samples")
     a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
       "new run starts the file, a resumed run continues it (default: no log)")
     a("--save", default=None, metavar="FILE.bin", help="write the final model, llm.c format (default: not "
@@ -112,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
       "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
     a("--quiet", action="store_true", help="no per-step lines")
+    a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is of "
+      "another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
+    a("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS", help="end the job, naming "
+      "the collective, the step and the rank(s) that did not arrive, when a collective between ranks waits longer "
+      "than this (a rank stopped, hung or dead). The default, PyTorch's, is 40x the longest legitimate wait of "
+      "one rank for another (BENCHMARKS.md: the checkpoint whose model file rank 0 writes alone, the first step's "
+      "compilation, CUDA graph capture: seconds); raise it only for a filesystem that takes minutes to write a "
+      "checkpoint")
     return p
 
 
@@ -213,6 +223,8 @@ class Run:
         # that the flags describe it, that the tokenizer fits it and that T fits its maxT)
         self.resumed = self.find_checkpoint()
         self.last_checkpoint = self.resumed.path if self.resumed else None     # the newest good one
+        from .state import run_identity
+        self.run_id = run_identity(self.resumed, ranks)                          # kept across resumes
         if self.resumed:
             cfg = self.resumed.config
             self.layout = layout.Layout(cfg, self.world_size)
@@ -279,7 +291,7 @@ class Run:
         # zero.set_micro_step)
         from .graph import Graphs
         self.graphs = Graphs(self.dev, enabled=not (args.no_cuda_graph or args.trace)
-                             and self.comm.name in ("local", "nccl"))
+                             and self.comm.name in ("local", "nccl"), after_launch=self.comm.after_graph)
         self.start_step = 0
         if self.resumed:
             self.restore(self.resumed)
@@ -287,7 +299,7 @@ class Run:
     # ---- checkpoints (llmz.state) ----------------------------------------------------------------------
     def find_checkpoint(self):
         """The checkpoint --resume names, read and checked (every rank reads every state file), or None."""
-        from .state import latest_checkpoint, load_checkpoint
+        from .state import latest_checkpoint, load_checkpoint_agreed
         a = self.args
         if not a.resume:
             return None
@@ -299,7 +311,7 @@ class Run:
                 return None
         if a.init_from:     # `--init-from F --resume --checkpoint-dir D`: one command for launch and relaunch
             self.notes.append(f"resume: {path} found, so --init-from {a.init_from} is not used")
-        return load_checkpoint(path)
+        return load_checkpoint_agreed(path, self.ranks)
 
     def restore(self, ckpt) -> None:
         """Continue from `ckpt`: this rank's m and v re-sharded for this layout, the step, the data position,
@@ -365,12 +377,12 @@ class Run:
                 "zero_stage": self.args.zero_stage, "precision": self.args.precision,
                 "config": self.config.to_dict(), "flags": resume_flags(self.args),
                 "data": self.train_loader.state(), "rng": self.rng.bit_generator.state,
-                "buckets": state.shard_table(self.layout, self.rank)}
+                "buckets": state.shard_table(self.layout, self.rank), "run_id": self.run_id}
         state.write_state(state.state_path(folder, self.rank), meta, self.zero.state_slices(host))
         self.comm.barrier()                    # every rank's file is in place
         if self.rank == 0:
             state.write_done(folder, {"step": step, "world_size": self.world_size,
-                                      "zero_stage": self.args.zero_stage})
+                                      "zero_stage": self.args.zero_stage, "run_id": self.run_id})
             if self.args.keep:
                 state.prune(root, self.args.keep, newest=step)
         self.last_checkpoint = folder
@@ -528,48 +540,30 @@ def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | Non
     return tokens_per_s * flops / (peak.get(precision, peak["fp32"]) * 1e12)
 
 
-def take_locks(args, locks: list) -> list[str]:
-    """Rank 0, at start: lock --checkpoint-dir and --log for this run (llmz.lock); appends each Lock taken
-    to `locks` (released at the end, also on failure). Returns the notes of stale locks taken over."""
-    from .errors import LlmzError, UsageError
-    from .lock import Lock
-    notes = []
-    for path, what in ((args.checkpoint_dir and os.path.join(args.checkpoint_dir, "llmz.lock"),
-                        f"checkpoint folder {args.checkpoint_dir}"),
-                       (args.log and args.log + ".lock", f"log {args.log}")):
-        if path:
-            lock = Lock(path, what)
-            try:
-                note = lock.acquire()
-            except UsageError:
-                raise
-            except LlmzError as e:              # refused at start, like a flag: exit status 2
-                raise UsageError(str(e)) from None
-            locks.append(lock)
-            if note:
-                notes.append(note)
-    return notes
-
-
 def train(args, kind: str, ranks) -> dict:
     """Train as the flags say, on this rank. The end of a run goes in the order that loses nothing: the
     last checkpoint, --save, the log's end record and close, and only then the sample (its failure can no
     longer cost anything). A non-finite or diverged step stops the run, naming the step, on every rank."""
+    from .data import check_same_data
     from .errors import LlmzError, before_any_work
     from .files import JsonLog
-    from .launch import AgreedError, agree
+    from .launch import AgreedError, agree, interrupted
+    from .lock import take_locks
     from .memory import table
     from .progress import Progress, fmt_duration
+    from .state import check_run_identity
     r0 = ranks.rank == 0
     say = print if r0 else (lambda *a, **k: None)
-    # who generates the printed samples: rank 0, and at ZeRO stage 3 every rank (generating gathers the
-    # parameters, a collective; each rank draws the same tokens from the same seed, rank 0 prints them)
-    samples = r0 or args.zero_stage == 3
+    # the printed samples: every rank generates them, each drawing the same tokens from the same seed, rank 0
+    # prints them (at ZeRO stage 3 generating gathers the parameters, a collective; at the other stages a
+    # rank that did not generate would wait that long for rank 0 in its next collective, a wait the collective
+    # watchdog's deadline would have to cover)
     locks: list = []
     log = run = None
     step = None
     try:
-        notes = agree(ranks, lambda: take_locks(args, locks) if r0 else [])
+        notes = agree(ranks, lambda: take_locks(args, locks) + check_run_identity(args) if r0 else [])
+        check_same_data(ranks, {"--train-data": args.train_data, "--val-data": args.val_data})
         with before_any_work():                     # a file found wrong while reading it: status 2
             run = Run(args, kind, ranks)
         c = run.config
@@ -592,7 +586,7 @@ def train(args, kind: str, ranks) -> dict:
             log = JsonLog(args.log, resume_step=start if run.resumed else None)
             if log.dropped:
                 say(f"resume: {args.log}: dropped {log.dropped} record(s) an earlier attempt wrote past step {start}")
-            log.write({"event": "start", "config": c.to_dict(), "args": vars(args),
+            log.write({"event": "start", "run_id": run.run_id, "config": c.to_dict(), "args": vars(args),
                        "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
                        "resumed_from": run.resumed.path if run.resumed else None})
 
@@ -610,6 +604,7 @@ def train(args, kind: str, ranks) -> dict:
         trace_step = min(start + 1, args.steps - 1)
         every = args.checkpoint_every
         for step in range(start, args.steps):
+            run.comm.watch.step = step                  # for the collective watchdog's lines
             last_step = step == args.steps - 1
             if args.val_every and run.val_loader and (step % args.val_every == 0 or last_step) \
                     or (last_step and run.val_loader):
@@ -620,7 +615,7 @@ def train(args, kind: str, ranks) -> dict:
                     log.write({"step": step, "val_loss": vl})
                 if not math.isfinite(vl):
                     stop(f"step {step}: non-finite validation loss {vl}")
-            if args.sample_every and args.sample_tokens and step > 0 and step % args.sample_every == 0 and samples:
+            if args.sample_every and args.sample_tokens and step > 0 and step % args.sample_every == 0:
                 say("---\n" + run.sample_text() + "\n---")
             if args.trace and step == trace_step:
                 run.tracer.start()
@@ -676,12 +671,11 @@ def train(args, kind: str, ranks) -> dict:
             said = f"{summary['mean_ms']:.1f} ms/step" + (" (one step, with warm-up)" if len(step_times) == 1 else "")
             say(f"done: loss {first_loss:.4f} -> {last:.4f}; val loss by step {{{vals}}}; {said}; "
                 f"{fmt_duration(progress.elapsed)} in all")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:             # Ctrl-C, SIGTERM, SIGHUP
         last_ck = (run.last_checkpoint if run else None) or ("none" if args.checkpoint_dir else
                                                              "none (no --checkpoint-dir)")
         where = "before training began" if step is None else f"at step {step}"
-        raise KeyboardInterrupt(f"interrupted {where}; last checkpoint {last_ck}"
-                                + (f"; log {args.log}" if log else "")) from None
+        raise interrupted(e, f"{where}; last checkpoint {last_ck}" + (f"; log {args.log}" if log else "")) from None
     finally:
         if log:
             with contextlib.suppress(LlmzError):    # already failing: the first error is the one to report
@@ -690,7 +684,7 @@ def train(args, kind: str, ranks) -> dict:
             lock.release()
     run.comm.barrier()
     # only now, with everything written, the sample
-    if samples and args.sample_tokens:
+    if args.sample_tokens:
         say("--- sample ---\n" + run.sample_text() + "\n--------------")
     return summary
 
@@ -700,16 +694,17 @@ def main(argv=None) -> int:
     flag on any rank ends the whole job with one line, exit status 2, and no rank left waiting."""
     from .args import flag
     from .errors import LlmzError
-    from .launch import abort_on_error, agree, init_ranks
+    from .launch import abort_on_error, agree, init_ranks, start_failed
+    from .watchdog import peek_timeout
     try:
-        ranks = init_ranks()
+        ranks = init_ranks(collective_timeout=peek_timeout(argv))
     except LlmzError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return start_failed(e)
     with abort_on_error(ranks), np.errstate(all="ignore"):   # overflow is caught as a non-finite loss
         args, kind = agree(ranks, lambda: parse_args(argv, world_size=ranks.world_size),
                            same=lambda result: {**{flag(k): v for k, v in vars(result[0]).items()},
                                                 "--device (resolved)": result[1]})
+        ranks.watch.timeout = args.collective_timeout
         train(args, kind, ranks)
     return 0
 
