@@ -18,6 +18,7 @@ from . import threads
 from .args import TRACE_STAGES
 from .bf16 import bf16_to_f32
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
+from .trace import overlap
 from .watchdog import DEFAULT_TIMEOUT_S
 
 # storage dtype of each --precision: bf16 values are kept as their uint16 bit patterns (llmz.bf16)
@@ -625,7 +626,8 @@ def train(args, kind: str, ranks) -> dict:
             run.dev.synchronize()
             dt = time.perf_counter() - t0
             if args.trace and step == trace_step:
-                run.tracer.stop(args.trace)
+                events = run.tracer.stop(args.trace)["traceEvents"]
+                say(f"timeline {args.trace} (and .png), step {step}: {overlap(events)}")
             step_times.append(dt)
             progress.tick()
             loss = out["loss"]

@@ -77,3 +77,39 @@ def test_an_empty_trace_says_so_in_the_png(tmp_path):
     png = tmp_path / "t.png"
     trace.plot_png([], str(png), "title")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlap_counts_each_instant_once_and_only_where_a_layer_computes(rng):
+    """Random spans on whole microseconds, collectives in flight together as on CPU ranks: the overlap equals a
+    count, microsecond by microsecond, of the instants some collective is in flight (and some layer computes)."""
+    for _ in range(20):
+        events, comp, comm = [], np.zeros(2000, bool), np.zeros(2000, bool)
+        for tid, covered in (("compute", comp), ("comm", comm)):
+            for _ in range(int(rng.integers(0, 8))):
+                ts, dur = int(rng.integers(0, 1800)), int(rng.integers(0, 200))
+                events.append({"name": f"reduce-scatter block{len(events)}" if tid == "comm" else "block0",
+                               "ts": float(ts), "dur": float(dur), "tid": tid})
+                covered[ts:ts + dur] = True
+        got = trace.overlap(events)
+        assert got.comm_ms * 1e3 == pytest.approx(comm.sum(), abs=1e-9)
+        assert got.hidden_ms * 1e3 == pytest.approx((comm & comp).sum(), abs=1e-9)
+        assert 0 <= got.share <= 1 and (got.share > 0) == bool((comm & comp).any())
+    assert trace.overlap([]).share == 0 and "0% hidden" in str(trace.overlap([]))
+
+
+def test_legend_names_only_the_kinds_of_span_present(rng):
+    stage2 = fake_events(rng, 1)
+    assert trace.legend(stage2) == "RS reduce-scatter"
+    stage3 = stage2 + [{"name": "forward block0", "ts": 0.0, "dur": 1.0, "tid": "compute"},
+                       {"name": "all-gather block0", "ts": 0.0, "dur": 1.0, "tid": "comm"}]
+    assert trace.legend(stage3) == "F forward, RS reduce-scatter, AG all-gather"
+
+
+def test_collectives_in_flight_together_are_stacked_in_lanes():
+    spans = [{"ts": 0.0, "dur": 10.0}, {"ts": 5.0, "dur": 10.0}, {"ts": 10.0, "dur": 2.0}, {"ts": 20.0, "dur": 1.0}]
+    lane = trace.lanes(spans)
+    # the second starts while the first is in flight; the third reuses the first's lane once that has ended
+    assert [lane[id(s)] for s in spans] == [(0, 2), (1, 2), (0, 2), (0, 2)]
+    fig = trace.timeline_figure([{**s, "name": f"reduce-scatter block{i}", "tid": "comm"} for i, s in enumerate(spans)],
+                                "title", streams=False)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["collectives\nin flight", "layers\ncomputing"]

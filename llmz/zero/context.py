@@ -54,9 +54,10 @@ class Context:
         if self.tracer:
             self.tracer.begin(name, stream)
 
-    def end(self, name: str, stream: str) -> None:
+    def end(self, name: str, stream: str, at: float | None = None) -> None:
+        """at: when it ended, if not now (an MPI collective that this rank saw complete earlier)."""
         if self.tracer:
-            self.tracer.end(name, stream)
+            self.tracer.end(name, stream, at)
 
     @contextlib.contextmanager
     def span(self, name: str, stream: str):
