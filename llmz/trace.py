@@ -72,10 +72,10 @@ class Tracer:
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
-        where = ("streams" if self.dev.kind == "gpu" else f"{self.dev.kind}: layers on the host; a collective from "
-                 "its start until this rank saw it complete, between two layers")
-        plot_png(events, png, f"rank {self.rank}: layers and collectives of one step ({where}); "
-                 f"{legend(events)}\n{overlap(events)}", streams=self.dev.kind == "gpu")
+        where = ("the compute and the comm stream" if self.dev.kind == "gpu" else f"{self.dev.kind}: a collective's "
+                 "bar runs from its start until this rank saw it complete, between two layers")
+        plot_png(events, png, f"rank {self.rank}: layers and collectives of one step ({where})\n"
+                 f"{legend(events)} | {overlap(events)}", streams=self.dev.kind == "gpu")
         return trace
 
 
@@ -151,7 +151,7 @@ def short_name(name: str) -> str:
     """'reduce-scatter block6' (or all-gather, forward) -> '6', 'embeddings' -> 'emb': the label of a span too
     narrow for its name (its row says which stream)."""
     name = name.split()[-1]
-    return {"embeddings": "emb", "classifier": "cls"}.get(name, name.replace("block", ""))
+    return {"embeddings": "emb"}.get(name, name.replace("block", ""))
 
 
 def label_span(ax, renderer, x0: float, width: float, y: float, height: float, name: str) -> None:
@@ -169,7 +169,7 @@ def label_span(ax, renderer, x0: float, width: float, y: float, height: float, n
 
 def micro_steps(events: list[dict]) -> list[float]:
     """Start times (µs) of the micro-steps in the trace: each begins with the compute span that began the first
-    (stage 2: the classifier's backward; stage 3: block 0's forward), so K micro-steps give K starts."""
+    (stage 2: the final layernorm's backward; stage 3: block 0's forward), so K micro-steps give K starts."""
     comp = sorted((e for e in events if e["tid"] == "compute"), key=lambda e: e["ts"])
     return [e["ts"] for e in comp if e["name"] == comp[0]["name"]] if comp else []
 
@@ -221,8 +221,8 @@ def timeline_figure(events: list[dict], title: str, streams: bool = True):
     ax.set_ylim(-0.6, 1.9)
     ax.set_yticks([0, 1], ["comm stream", "compute stream"] if streams else ["collectives\nin flight",
                                                                              "layers\ncomputing"])
-    ax.set_xlabel("ms since the step began\nnames where a bar has room: 6 = block 6, emb = embeddings, cls = "
-                  "classifier, lnf = final layernorm;\nRS/AG/F as in the title (the .json in ui.perfetto.dev names "
+    ax.set_xlabel("ms since the step began\nnames where a bar has room: 6 = block 6, emb = embeddings, lnf = "
+                  "final layernorm;\nRS/AG/F as in the title (the .json in ui.perfetto.dev names "
                   "every span)", fontsize=9)
     ax.set_title(title, fontsize=9)
     if not events:

@@ -8,8 +8,6 @@ event again moves it (a wait uses the latest record at the time of the call).
 """
 from __future__ import annotations
 
-import contextlib
-
 from .. import fast, kernels
 from ..layout import Layout
 
@@ -58,9 +56,3 @@ class Context:
         """at: when it ended, if not now (an MPI collective that this rank saw complete earlier)."""
         if self.tracer:
             self.tracer.end(name, stream, at)
-
-    @contextlib.contextmanager
-    def span(self, name: str, stream: str):
-        self.begin(name, stream)
-        yield
-        self.end(name, stream)

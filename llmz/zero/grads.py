@@ -111,8 +111,6 @@ class ShardedGradients:
         # the reduce-scatters started and not yet accumulated, oldest first: (buffer, bucket, its part of the
         # buffer, its span on the timeline, the request); only MPI's on host memory stay here past done(b)
         self.in_flight: deque = deque()
-        self.computing = None                           # (tracer) the compute span open: bucket(b) to done(b)
-        self.in_backward = False                        # between a backward's first bucket() and backward_done()
         # the micro-step whose gradients are being accumulated (bf16: the rounding draws), on the device like
         # AdamW's scalars, so a replayed CUDA graph reads the current one (set_micro_step)
         self.micro_step = dev.zeros(1, np.uint64)
@@ -129,17 +127,8 @@ class ShardedGradients:
         if key in self.pending:
             self.pending.discard(key)
             self.free[key].wait(ctx.dev.compute_stream)    # the comm stream has drained and zeroed it
-        self.end_compute()                              # the classifier's span (bucket 0 asked first)
-        # wte's gradient starts in the classifier: the first bucket a backward asks for, before lnf's
-        self.computing = ctx.layout.buckets[b].name if self.in_backward else "classifier"
-        self.in_backward = True
-        ctx.begin(self.computing, "compute")
+        ctx.begin(ctx.layout.buckets[b].name, "compute")
         return self.views[b]
-
-    def end_compute(self) -> None:
-        if self.computing:
-            self.ctx.end(self.computing, "compute")
-            self.computing = None
 
     def done(self, b: int) -> None:
         """Bucket b's gradients are complete: start reduce-scattering it (the comm stream; MPI: in flight on the
@@ -147,7 +136,7 @@ class ShardedGradients:
         ctx = self.ctx
         bucket, key = ctx.layout.buckets[b], self.buffer_of[b]
         buf = self.reusable[key][:bucket.padded_size]
-        self.end_compute()
+        ctx.end(bucket.name, "compute")
         ctx.comm.progress()                             # MPI: those in flight, while this block computed
         ctx.comm_waits_for_compute()
         span = f"reduce-scatter {bucket.name}"
@@ -199,7 +188,6 @@ class ShardedGradients:
             self.finish(self.in_flight[-1][0])
         self.ctx.compute_waits_for_comm()
         self.pending.clear()
-        self.in_backward = False
 
     def set_micro_step(self, i: int) -> None:
         """Before micro-step i (counted over the run: step * K + micro): its number to the device, on the compute
