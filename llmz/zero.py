@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import fast, kernels
 from .bf16 import f32_to_bf16, f32_to_bf16_stochastic
 from .kernels.norm import NORM_BLOCKS
 from .layout import Layout
@@ -47,7 +46,7 @@ class ZeroStage:
         assert layout.world_size == self.world_size
         self.overlap = overlap
         self.tracer = tracer
-        self.kernels = fast if dev.fast else kernels    # the layer functions, as in llmz.model
+        self.kernels = dev.ops                       # the layer functions, as in llmz.model
         self.allocated: dict[str, int] = {}          # category -> bytes this object allocated (memory report)
         # bf16 (parameters, gradients and activations as uint16 bit patterns): AdamW updates an fp32 master
         # copy of what this rank owns and writes the bf16 parameters from it with stochastic rounding; the

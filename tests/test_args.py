@@ -121,8 +121,9 @@ def test_files_and_flags_that_disagree_are_refused_at_start(files, tmp_path):
 
 
 def test_outputs_into_folders_that_do_not_exist_get_their_folders_at_start(tmp_path):
-    """Issue 21: --save runs/m.bin, --log runs/a.jsonl, --trace runs/t.json and --checkpoint-dir a/b/c get
-    their folders when the flags are checked, so nothing fails after training."""
+    """--save runs/m.bin, --log runs/a.jsonl, --trace runs/t.json and --checkpoint-dir a/b/c get their folders
+    when the flags are checked, so nothing fails after training (once, a missing folder failed the run at its
+    end, after all the training)."""
     parse("--save", tmp_path / "runs" / "m.bin", "--log", tmp_path / "logs" / "a.jsonl", "--zero-stage", "2",
           "--trace", tmp_path / "traces" / "t.json", "--checkpoint-dir", tmp_path / "a" / "b" / "c")
     for sub in ("runs", "logs", "traces", "a/b/c"):
@@ -239,7 +240,8 @@ def test_fuzzed_flags_start_cleanly_and_train_to_the_end_or_are_refused_in_one_l
     (valid) flags make it diverge, such as --lr 3e38, is stopped by the divergence check, naming the step,
     with nothing non-finite saved. No late failure, no other exception."""
     from llmz.state import checkpoints, load_checkpoint
-    from llmz.train import parse_args, train
+    from llmz.train import parse_args
+    from llmz.trainer import train
     outcomes = {"started": 0, "refused": 0, "stopped": 0}
 
     @FUZZ

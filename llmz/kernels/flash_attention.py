@@ -277,7 +277,7 @@ def flash_attention_dq_kernel(dinp, dout, inp, lse, dsum, scale, accumulate):
             store(dinp, idx, dq[r, i] + load(dinp, idx) if accumulate else dq[r, i])
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def _check_head_size(hs: int) -> None:
     if hs > HS_MAX:
         raise ValueError(f"flash attention's teaching kernels hold heads of at most {HS_MAX} channels, "
@@ -287,8 +287,6 @@ def _check_head_size(hs: int) -> None:
 def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
     """inp (B,T,3C) -> out (B,T,C) and lse (B,NH,T), the per-row log-sum-exp kept for backward.
     Overwrites out and lse. (llmz.fast.flash_attention runs bf16 values of head size 64 on tensor cores.)"""
-    if not dev.kernels:
-        return flash_attention_forward_ref(out, lse, inp, num_heads)
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
     _check_head_size(hs)
@@ -299,8 +297,6 @@ def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
 def flash_attention_backward(dev, dinp, dout, inp, out, lse, num_heads, accumulate=True) -> None:
     """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=; accumulate=False: overwrites). Reads forward's inp,
     out and lse. D = rowsum(dout * out) goes through a (B,NH,T) scratch buffer of lse's dtype."""
-    if not dev.kernels:
-        return flash_attention_backward_ref(dinp, dout, inp, out, lse, num_heads, accumulate)
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
     dsum = dev.scratch("flash_attention_dsum", lse.shape, lse.dtype)

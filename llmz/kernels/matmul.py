@@ -77,11 +77,9 @@ def matmul_backward_bias_kernel(dbias, dout):
         store_add(dbias, oc, acc)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def matmul_forward(dev, out, inp, weight, bias) -> None:
     """out (...,OC) = inp (...,C) @ weight (OC,C).T + bias (OC,) (bias may be None). Overwrites out."""
-    if not dev.kernels:
-        return matmul_forward_ref(out, inp, weight, bias)
     OC, C = weight.shape
     out2 = out.reshape(-1, OC)
     # out = bias in every row, then out += inp (N,C) @ weight.T (C,OC): the sum rounded once
@@ -93,8 +91,6 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight, dinp_accumulate: bool = True) -> None:
     """dinp (...,C) += dout @ weight; dweight (OC,C) += dout.T @ inp; dbias (OC,) += dout summed over rows
     (dbias may be None). Accumulates (+=) into all three (dinp_accumulate=False: overwrites dinp)."""
-    if not dev.kernels:
-        return matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight, dinp_accumulate)
     OC, C = weight.shape
     dout2 = dout.reshape(-1, OC)
     # dinp (N,C) (+)= dout (N,OC) @ weight (OC,C)
