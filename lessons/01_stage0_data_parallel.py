@@ -5,7 +5,7 @@ reads its own slice of the data (llm.c's order: micro-batch i of rank r starts a
 so a step sees N*B*T tokens. After backward each rank holds the gradient of ITS batch only. One all-reduce
 (average) per bucket gives every rank the gradient of the whole N*B batch; every rank then runs the same
 AdamW on the same numbers, so the parameters stay identical without ever being sent. The whole change is
-in llmz.zero.Stage0.reduce_gradients: a loop of comm.all_reduce over the buckets. Here the run trains beside
+in llmz.zero.grads.FullGradients.reduce: a loop of comm.all_reduce over the buckets. Here the run trains beside
 that one process, step by step (lessons.common.side_by_side); `--diff` shows this file's changes from 00.
 
 Nothing is divided by N: every rank holds everything.

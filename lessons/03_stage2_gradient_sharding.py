@@ -2,9 +2,9 @@
 
 What changes from lesson 02: stage 1 still keeps the full gradient (bΨ) on every rank until the end of
 backward, although after the reduce-scatter each rank needs only its slice. Stage 2 never keeps it
-(llmz.zero.Stage2). Backward finishes the buckets one at a time (the final layernorm, block L-1, ..., block
-0, the embeddings last: wte is tied to the classifier, llmz.model), and the moment a bucket is complete
-(`done(b)`) it is reduce-scattered and my averaged slice is added (+=) into my gradient shard. So:
+(llmz.zero.grads.ShardedGradients). Backward finishes the buckets one at a time (the final layernorm, block
+L-1, ..., block 0, the embeddings last: wte is tied to the classifier, llmz.model), and the moment a bucket
+is complete (`done(b)`) it is reduce-scattered and my averaged slice is added (+=) into my gradient shard. So:
   * two slots: block l writes its gradients into slot l % 2. While block l-1's backward fills the other
     slot, block l's slot is being reduce-scattered; block l-2 reuses it once that is done. The embedding
     and final-layernorm gradients keep buffers of their own (wte's gradient grows from the first op of

@@ -1,7 +1,7 @@
 """Lesson 05 - ZeRO stage 3, parameter sharding: gather each block's parameters just before it runs.
 
 What changes from lesson 03: stage 2 still keeps every parameter (bΨ) on every rank, although each rank
-updates only its slice. Stage 3 keeps only that slice (llmz.zero.Stage3) and fetches a block's full
+updates only its slice. Stage 3 keeps only that slice (llmz.zero.params.GatheredParameters) and fetches a block's full
 parameters from the other ranks the moment the model asks for them (`p.bucket(b)` in llmz/model.py, the
 twin of the gradient store's `grads.bucket(b)`):
   * two parameter slots: before block l's forward its parameters are all-gathered into slot l % 2 (every

@@ -12,7 +12,7 @@ In bf16 (b = 2) the optimizer also keeps an fp32 master copy of what it updates:
 master + m + v = 12Ψ at stage 0 and 12Ψ/N at stages 1-3: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N at stage 1,
 (2Ψ + 2Ψ + 12Ψ)/N + slots + embeddings at stage 3 (fp32: (4Ψ + 4Ψ + 8Ψ)/N + the same). A slot holds the
 largest block bucket; at stage 3 the parameter slots are filled by all-gathers, the gradient slots emptied by
-reduce-scatters (llmz.zero.Stage3). Layernorm statistics and the losses stay fp32 in every precision.
+reduce-scatters (llmz.zero.params). Layernorm statistics and the losses stay fp32 in every precision.
 The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
 the GPU also reads the memory CuPy's pool holds.
 """

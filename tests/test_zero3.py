@@ -1,6 +1,7 @@
-"""ZeRO stage 3 (llmz.zero.Stage3): on N ranks against one process with the union batch and against stage 2
-bit for bit (cpu, float64 and bf16, under mpiexec); its memory report against the formula; the all-gathers
-it runs, their order and bytes; the prefetch seen in its timeline; the parameter store the model asks."""
+"""ZeRO stage 3 (llmz.zero.params.GatheredParameters): on N ranks against one process with the union batch and
+against stage 2 bit for bit (cpu, float64 and bf16, under mpiexec); its memory report against the formula; the
+all-gathers it runs, their order and bytes; the prefetch seen in its timeline; the parameter store the model
+asks."""
 import json
 import subprocess
 import sys
@@ -134,25 +135,27 @@ def test_one_rank_stage3_equals_stage2_bit_for_bit(precision):
 def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_order():
     run = make_run(3)
     z = run.zero
+    store = z.param_store                               # the parameter store: what the model's p.bucket(b) asks
+    assert z.pviews is store
     asked = []
-    real = z.param_bucket
+    real = store.bucket
 
     def spy(b):
         asked.append(b)
         return real(b)
-    z.param_bucket = spy
+    store.bucket = spy
     # a forward-only pass (validation, sampling): every block once, in order, the next one gathered ahead
     run.next_batch(run.train_loader)
     z.all_gathers.clear()
     run.model.forward(z.pviews, run.x, run.y)
     assert asked == [0, 1, 2, 3]
-    assert z.all_gathers == ["block0", "block1"] and z.prefetched is None
+    assert z.all_gathers == ["block0", "block1"] and store.prefetched is None
     # a training micro-step: forward, then backward from block L-1 down, each block gathered again
     asked.clear()
     z.all_gathers.clear()
     run.micro_step()
     assert asked == [0, 1, 2, 3] + [0, 3, 2, 1]
-    assert z.all_gathers == ["block0", "block1", "block1", "block0"] and not z.in_backward
+    assert z.all_gathers == ["block0", "block1", "block1", "block0"] and not store.in_backward
 
 
 def test_stage3_parameter_path_makes_no_event_and_allocates_nothing_after_start_up(monkeypatch):
@@ -166,6 +169,93 @@ def test_stage3_parameter_path_makes_no_event_and_allocates_nothing_after_start_
     before = dict(run.zero.allocated)
     run.model.forward(run.zero.pviews, run.x, run.y)
     run.zero.gather_parameters()
+    assert made == [] and run.zero.allocated == before
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_stage_keeps_the_buffers_its_row_of_the_table_names(stage):
+    """The ZeRO paper's rows on 2 ranks (rank 1, built here: nothing is sent): what each rank keeps whole (Ψ
+    values) and what only as its slice of every bucket (Ψ/N)."""
+    from llmz.comm import Communicator
+    from llmz.config import preset
+    from llmz.device import Device
+    from llmz.launch import RankInfo
+    from llmz.layout import Layout, init_parameters
+    from llmz.optim import AdamW
+    from llmz.zero import make_stage
+    lay = Layout(preset("tiny", vocab_size=256), 2)
+    start = init_parameters(lay, 0)
+    z = make_stage(stage, lay, Device("cpu", np.float64), Communicator(RankInfo(1, 2, 1, 2, "here")), AdamW(), start)
+    whole, mine = lay.total, lay.shard_total
+    kept = {name: getattr(z, name).size for name in ("params", "param_shard", "grads", "grad_shard", "m", "v")
+            if hasattr(z, name)}
+    params = {"params": whole} if stage < 3 else {"param_shard": mine}
+    grads = {"grads": whole} if stage < 2 else {"grad_shard": mine}
+    assert kept == {**params, **grads, "m": whole if stage == 0 else mine, "v": whole if stage == 0 else mine}
+    assert z.master is None                             # fp64: no master copy
+    # the parameters start as the host's: all of them, or my slice of every bucket
+    if stage < 3:
+        assert np.array_equal(z.params, start)
+    else:
+        assert np.array_equal(z.param_shard, np.concatenate([start[b.offset + b.shard_size:b.offset + b.padded_size]
+                                                             for b in lay.buckets]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_captured_regions_wait_only_on_events_recorded_inside_them_and_end_joined(monkeypatch, stage, overlap):
+    """What a CUDA graph capture of the micro-step and of the update needs from the stream order (llmz/graph.py),
+    checked on cpu by logging every event record and wait and every collective in program order. The capture
+    starts on the compute stream; the comm stream joins it only by waiting on an event recorded in the capture
+    (the fork). So: (1) every wait is on an event recorded earlier in the same region, by a stream already in
+    the capture (else CUDA refuses it: work outside the capture); (2) every collective runs on a stream in the
+    capture; (3) after the comm stream's last collective the compute stream waits on an event recorded on the
+    comm stream (the join: a capture must end joined); (4) no event is made and nothing is allocated."""
+    from llmz.device import Device
+    log = []
+
+    class LoggedEvent:
+        def record(self, stream):
+            log.append(("record", self, stream.name))
+
+        def wait(self, stream):
+            log.append(("wait", self, stream.name))
+
+    made = []
+    monkeypatch.setattr(Device, "event", lambda self, timing=False: made.append(1) or LoggedEvent())
+    run = make_run(stage, *([] if overlap else ["--no-overlap"]))
+
+    def logged(name, real):
+        def collective(*args, **kw):
+            log.append(("collective", name, "comm"))
+            return real(*args, **kw)
+        return collective
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        monkeypatch.setattr(run.comm, name, logged(name, getattr(run.comm, name)))
+    run.next_batch(run.train_loader, backward=True)
+    run.zero.set_scalars(0)                             # outside the captured update, as in llmz.train
+    made.clear()
+    before = dict(run.zero.allocated)
+    for region, fn in (("micro-step", run.micro_step), ("micro-step", run.micro_step), ("update", run.zero.optimize)):
+        start = len(log)
+        fn()
+        ops = log[start:]
+        captured, joined, collectives = set(), {"compute"}, []
+        for i, (op, x, s) in enumerate(ops):
+            if op == "record" and s in joined:
+                captured.add(id(x))
+            elif op == "wait":
+                assert id(x) in captured, f"{region}: the {s} stream waits on an event recorded outside the capture"
+                joined.add(s)
+            elif op == "collective":
+                assert s in joined, f"{region}: {x} on the {s} stream before that stream joined the capture"
+                collectives.append(i)
+        # stages 0, 1 send nothing during backward; every stage sends in the update
+        assert bool(collectives) == (stage >= 2 or region == "update")
+        if collectives:
+            assert any(op == "record" and s == "comm" and ("wait", x, "compute") in ops[i + 1:]
+                       for i, (op, x, s) in enumerate(ops) if i > collectives[-1]), \
+                f"{region}: the comm stream is not joined back"
     assert made == [] and run.zero.allocated == before
 
 

@@ -1,4 +1,4 @@
-"""Why ZeRO-2's captured step hung, and that it no longer does (a GPU probe; issue 18).
+"""Why ZeRO-2's captured step hung, and that it no longer does (a GPU probe; BENCHMARKS.md has its table).
 
     python tools/graph_probe.py --all            # every variant below, each in its own process, a table last
     python tools/graph_probe.py --all --fixed-only   # the code as it is, stages 2 and 3
@@ -10,8 +10,8 @@ and the same 4 steps eagerly (--no-cuda-graph), from the same start; prints both
 they are bit-identical. A replay that does not finish within --timeout seconds prints where the host waits
 (faulthandler) and exits 3: the hang. The variants put back, one at a time, what the stage-2 code did before:
   fixed            the code as it is now
-  old-reduce-wait  Stage2.reduce_gradients waits on an event recorded on the comm stream, which at that point
-                   of the update is idle and outside the capture
+  old-reduce-wait  the sharded gradient store's reduce() (the update's first call) waits on an event recorded
+                   on the comm stream, which at that point of the update is idle and outside the capture
   per-call-events  a new CUDA event for every record/wait pair (comm_waits_for_compute, the slot events)
   old              both
 """
@@ -30,9 +30,10 @@ VARIANTS = ("fixed", "old-reduce-wait", "per-call-events", "old")
 
 
 def patch(variant: str) -> None:
-    from llmz import zero
+    from llmz.zero.context import Context
+    from llmz.zero.grads import ShardedGradients
     if variant in ("old-reduce-wait", "old"):
-        zero.Stage2.reduce_gradients = lambda self: self.compute_waits_for_comm()
+        ShardedGradients.reduce = lambda self: self.ctx.compute_waits_for_comm()
     if variant in ("per-call-events", "old"):
         def comm_waits_for_compute(self):
             e = self.dev.event()
@@ -43,14 +44,14 @@ def patch(variant: str) -> None:
             e = self.dev.event()
             e.record(self.dev.comm_stream)
             e.wait(self.dev.compute_stream)
-        done = zero.Stage2.done
+        done = ShardedGradients.done
 
         def fresh_done(self, b):
-            self.free[self._key(b)] = self.dev.event()
+            self.free[self.buffer_of[b]] = self.ctx.dev.event()
             done(self, b)
-        zero.ZeroStage.comm_waits_for_compute = comm_waits_for_compute
-        zero.ZeroStage.compute_waits_for_comm = compute_waits_for_comm
-        zero.Stage2.done = fresh_done
+        Context.comm_waits_for_compute = comm_waits_for_compute
+        Context.compute_waits_for_comm = compute_waits_for_comm
+        ShardedGradients.done = fresh_done
 
 
 def losses(flags: list[str], steps: int) -> tuple[list[float], str]:
