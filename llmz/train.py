@@ -18,118 +18,104 @@ from .errors import LlmzError, UsageError
 from .launch import abort_on_error, agree, init_ranks
 from .precision import PRECISIONS
 
-D = TrainConfig()           # the defaults: every flag's is its field's
-
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag, named as its TrainConfig field (--zero-stage: zero_stage) and defaulting to its default."""
+    """Every flag, named as its TrainConfig field (--zero-stage: zero_stage), its default the field's."""
     p = Parser(prog="python -m llmz.train", description=__doc__.splitlines()[0])
     for flags in (device_flags, model_and_data_flags, optimizer_flags, output_flags):
         flags(p.add_argument)
+    p.set_defaults(**TrainConfig().to_dict())
     return p
 
 
 def device_flags(a) -> None:
     """Where and how the step runs: the device, precision, kernels, communication, ZeRO stage."""
-    a("--device", choices=KINDS, default=D.device, help="gpu: Numba kernels on CuPy memory; cpu: NumPy "
+    a("--device", choices=KINDS, help="gpu: Numba kernels on CuPy memory; cpu: NumPy "
       "references; sim: the kernels in Numba's CUDA simulator (tiny models only); auto: gpu if there is one")
-    a("--precision", choices=tuple(PRECISIONS), default=D.precision, help="fp64 only on cpu and sim; bf16: "
+    a("--precision", choices=tuple(PRECISIONS), help="fp64 only on cpu and sim; bf16: "
       "parameters, gradients and activations in bf16, fp32 master weights, m, v, layernorm statistics and "
       "losses, stochastic rounding in AdamW and in ZeRO-2's accumulation")
-    a("--comm", choices=("auto", "nccl", "mpi"), default=D.comm, help="collective backend between ranks")
-    a("--kernels", choices=KERNEL_SETS, default=D.kernels,
-      help="fast (GPU default: llmz/fast/, the kernels that "
-      "won) or teaching (llmz/kernels/: the simplest correct kernel per layer; the default in the simulator, "
-      "and on cpu, where it means the NumPy references)")
-    a("--matmul", choices=MATMULS, default=D.matmul, help="the products: cublas (cuBLAS, TF32 for fp32; the "
+    a("--comm", choices=("auto", "nccl", "mpi"), help="collective backend between ranks")
+    a("--kernels", choices=KERNEL_SETS, help="fast (GPU default: llmz/fast/, the kernels "
+      "that won) or teaching (llmz/kernels/: the simplest correct kernel per layer; the default in the "
+      "simulator, and on cpu, where it means the NumPy references)")
+    a("--matmul", choices=MATMULS, help="the products: cublas (cuBLAS, TF32 for fp32; the "
       "default with --kernels fast on a GPU) or numba (the tiled teaching kernel)")
-    a("--attention", choices=ATTENTIONS, default=D.attention,
-      help="flash (FlashAttention-2: no T x T buffers; on "
-      "tensor cores for bf16 with --kernels fast, the default there), gemm (the fp32 default with cuBLAS: "
-      "batched per-head products around a softmax kernel, llm.c's non-cuDNN path) or direct (the teaching "
+    a("--attention", choices=ATTENTIONS, help="flash (FlashAttention-2: no T x T "
+      "buffers; on tensor cores for bf16 with --kernels fast, the default there), gemm (the fp32 default with "
+      "cuBLAS: batched per-head products around a softmax kernel, llm.c's non-cuDNN path) or direct (the teaching "
       "kernels, one per step of the math)")
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
-    a("--zero-stage", type=int, choices=(0, 1, 2, 3), default=D.zero_stage,
-      help="0: every rank keeps everything; 1: the "
-      "optimizer state sharded; 2: the gradients sharded too, reduce-scattered during backward; 3: the "
-      "parameters sharded too, each block all-gathered just before it runs")
+    a("--zero-stage", type=int, choices=(0, 1, 2, 3), help="0: every rank keeps "
+      "everything; 1: the optimizer state sharded; 2: the gradients sharded too, reduce-scattered during "
+      "backward; 3: the parameters sharded too, each block all-gathered just before it runs")
     a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
       "(stage 3: and gather each block's parameters only when it runs, no prefetch)")
 
 
 def model_and_data_flags(a) -> None:
     """The model and the data it trains on."""
-    a("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: small on cpu, d6 on gpu; "
+    a("--model", help=f"preset: {', '.join(PRESETS)} (default: small on cpu, d6 on gpu; "
       "the file's model with --init-from or --resume)")
-    a("--init-from", default=None, metavar="FILE.bin", help="start from an llm.c model file (default: a "
+    a("--init-from", metavar="FILE.bin", help="start from an llm.c model file (default: a "
       "freshly initialised --model)")
-    a("--max-seq-len", type=int, default=None, help="model's maxT for a preset (default: 1024)")
-    a("--vocab-size", type=int, default=None, help="model's V for a preset (default: the tokenizer's; "
+    a("--max-seq-len", type=int, help="model's maxT for a preset (default: 1024)")
+    a("--vocab-size", type=int, help="model's V for a preset (default: the tokenizer's; "
       "50257 gives GPT-2's shapes with any token file, and samples are then drawn among the tokenizer's "
       "tokens only)")
-    a("--seed", type=int, default=D.seed, help="initialisation, data order with --shuffle, sampling, bf16 "
+    a("--seed", type=int, help="initialisation, data order with --shuffle, sampling, bf16 "
       "rounding (0 .. 2^32-1)")
-    a("--train-data", default=D.train_data, metavar="GLOB",
+    a("--train-data", metavar="GLOB",
       help="llm.c token files (default: the shipped data/shakespeare_train.bin)")
-    a("--val-data", default=D.val_data, metavar="GLOB",
+    a("--val-data", metavar="GLOB",
       help="llm.c token files for the validation loss; '' for none (default: the shipped "
       "data/shakespeare_val.bin)")
-    a("--tokenizer", default=D.tokenizer, help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
+    a("--tokenizer", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
     a("--shuffle", action="store_true", help="shuffle the batch order every epoch (llm.c keeps the files' "
       "order)")
-    a("--batch-size", "-b", type=int, default=None, help="B per rank (default: 16 on cpu, 32 on gpu)")
-    a("--seq-len", "-t", type=int, default=None, help="T (default: 64 on cpu, 256 on gpu)")
-    a("--grad-accum", type=int, default=D.grad_accum, help="K micro-steps per optimizer step")
+    a("--batch-size", "-b", type=int, help="B per rank (default: 16 on cpu, 32 on gpu)")
+    a("--seq-len", "-t", type=int, help="T (default: 64 on cpu, 256 on gpu)")
+    a("--grad-accum", type=int, help="K micro-steps per optimizer step")
 
 
 def optimizer_flags(a) -> None:
     """The optimizer's steps, schedule and AdamW settings, and the divergence bound."""
-    a("--steps", type=int, default=None, help="optimizer steps, counted from the start of training "
+    a("--steps", type=int, help="optimizer steps, counted from the start of training "
       "(default: 1500 on cpu, 2000 on gpu)")
-    a("--lr", type=float, default=D.lr, help="peak learning rate of AdamW")
-    a("--warmup-steps", type=int, default=D.warmup_steps, help="steps of linear warmup to --lr")
-    a("--lr-schedule", choices=("cosine", "constant"), default=D.lr_schedule,
-      help="after warmup: cosine decay to "
-      "--final-lr-frac x --lr, or constant")
-    a("--final-lr-frac", type=float, default=D.final_lr_frac,
-      help="where the cosine decay ends, as a fraction of --lr")
-    a("--weight-decay", type=float, default=D.weight_decay,
-      help="AdamW's decoupled weight decay (2-D weights only)")
-    a("--beta1", type=float, default=D.beta1, help="AdamW's first-moment decay")
-    a("--beta2", type=float, default=D.beta2, help="AdamW's second-moment decay")
-    a("--eps", type=float, default=D.eps, help="AdamW's epsilon in m / (sqrt(v) + eps); > 0")
-    a("--grad-clip", type=float, default=D.grad_clip, help="clip the global gradient norm to this; 0 = off")
-    a("--max-loss", type=float, default=None, help="stop, naming the step, when the training loss exceeds "
+    a("--lr", type=float, help="peak learning rate of AdamW")
+    a("--warmup-steps", type=int, help="steps of linear warmup to --lr")
+    a("--lr-schedule", choices=("cosine", "constant"), help="after warmup: cosine "
+      "decay to --final-lr-frac x --lr, or constant")
+    a("--final-lr-frac", type=float, help="where the cosine decay ends, as a fraction of --lr")
+    a("--weight-decay", type=float, help="AdamW's decoupled weight decay (2-D weights only)")
+    a("--beta1", type=float, help="AdamW's first-moment decay")
+    a("--beta2", type=float, help="AdamW's second-moment decay")
+    a("--eps", type=float, help="AdamW's epsilon in m / (sqrt(v) + eps); > 0")
+    a("--grad-clip", type=float, help="clip the global gradient norm to this; 0 = off")
+    a("--max-loss", type=float, help="stop, naming the step, when the training loss exceeds "
       "this: the run diverged (default: 3 ln V, three times the loss of a uniform guess)")
 
 
 def output_flags(a) -> None:
     """What the run reports and writes: validation, samples, log, model, trace, checkpoints."""
-    a("--val-every", type=int, default=D.val_every,
-      help="validation loss every N steps and at the last; 0 = only "
-      "at the last")
-    a("--val-batches", type=int, default=D.val_batches,
-      help="batches per validation loss (at most the val data's)")
-    a("--sample-every", type=int, default=D.sample_every,
-      help="print a sample every N steps; 0 = only at the end")
-    a("--sample-tokens", type=int, default=D.sample_tokens, help="tokens per printed sample; 0 = no samples")
-    a("--log", default=None, metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
+    a("--val-every", type=int, help="validation loss every N steps and at the last; 0 = only at the last")
+    a("--val-batches", type=int, help="batches per validation loss (at most the val data's)")
+    a("--sample-every", type=int, help="print a sample every N steps; 0 = only at the end")
+    a("--sample-tokens", type=int, help="tokens per printed sample; 0 = no samples")
+    a("--log", metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
       "new run starts the file, a resumed run continues it (default: no log)")
-    a("--save", default=None, metavar="FILE.bin", help="write the final model, llm.c format (default: not "
-      "saved)")
-    a("--trace", default=None, metavar="FILE.json", help=f"ZeRO stage {'/'.join(map(str, TRACE_STAGES))}: "
+    a("--save", metavar="FILE.bin", help="write the final model, llm.c format (default: not saved)")
+    a("--trace", metavar="FILE.json", help=f"ZeRO stage {'/'.join(map(str, TRACE_STAGES))}: "
       "Chrome trace (+ PNG) of one step (default: none)")
-    a("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
+    a("--checkpoint-dir", metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
       "(model.bin, state_rank<r>.bin, DONE); DIR is locked while the run lives (default: none)")
-    a("--checkpoint-every", type=int, default=D.checkpoint_every, metavar="N",
-      help="checkpoint every N steps and after the "
-      "last (0 = after the last only)")
-    a("--keep", type=int, default=D.keep, metavar="K",
-      help="keep the newest K complete checkpoints, deleting only "
-      "older ones (0 = all)")
-    a("--resume", nargs="?", const="latest", default=None, metavar="DIR/step_N|latest",
+    a("--checkpoint-every", type=int, metavar="N",
+      help="checkpoint every N steps and after the last (0 = after the last only)")
+    a("--keep", type=int, metavar="K",
+      help="keep the newest K complete checkpoints, deleting only older ones (0 = all)")
+    a("--resume", nargs="?", const="latest", metavar="DIR/step_N|latest",
       help="continue from a checkpoint: a step folder, or 'latest' (the newest complete one in "
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
       "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
