@@ -44,8 +44,9 @@ def test_compare_logs_passes_within_tolerance_and_fails_outside(tmp_path):
 
 
 def test_hostile_check_runs_its_cases_and_counts_them():
-    # issue 19's re-measure (tools/hostile_check.py); the whole set takes ~75 s, here the non-finite models and
-    # flags (8 cases today): every one must end in one line as promised, and the tally must say so
+    # the bad-input and fault re-measure (tools/hostile_check.py); the whole set takes ~75 s, here the
+    # non-finite models and flags (8 cases today): every one must end in one line as promised, and the tally
+    # must say so
     p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "hostile_check.py"), "-k", "NaN"], cwd=REPO,
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
