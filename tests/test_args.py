@@ -29,6 +29,31 @@ def parse(*argv, base=BASE):
     return parse_args([*base, *map(str, argv)], kind="cpu")
 
 
+def test_the_flags_map_one_to_one_onto_the_run_configuration():
+    """Every train flag is a TrainConfig field and every field a flag, with the field's default; a
+    configuration built in code (the lessons, llmz.bench) equals the one the same flags give."""
+    import dataclasses
+
+    from llmz.config import TrainConfig
+    from llmz.train import build_parser
+    dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert dests == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert TrainConfig(**vars(build_parser().parse_args([]))) == TrainConfig()
+    cfg, _ = parse("--zero-stage", 2, "--lr", 3e-3, "--precision", "bf16")
+    assert cfg == TrainConfig(device="cpu", model="tiny", batch_size=2, seq_len=8, steps=2, val_batches=1,
+                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16")
+
+
+@pytest.mark.parametrize("kind, want", [("cpu", ("small", 16, 64, 1500)), ("gpu", ("d6", 32, 256, 2000))])
+def test_a_configuration_gets_its_devices_defaults_and_keeps_what_it_says(kind, want):
+    from llmz.config import TrainConfig
+    cfg = TrainConfig().for_device(kind)
+    assert (cfg.model, cfg.batch_size, cfg.seq_len, cfg.steps) == want
+    given = TrainConfig(model="tiny", batch_size=0, seq_len=3, steps=0).for_device(kind)
+    assert (given.model, given.batch_size, given.seq_len, given.steps) == ("tiny", 0, 3, 0)   # 0 is refused later
+    assert TrainConfig(resume="latest").for_device(kind).model is None       # the checkpoint says which model
+
+
 def refused(*argv, match: str = "", base=BASE) -> str:
     """The flags are refused with a one-line UsageError (exit status 2) containing `match`."""
     with pytest.raises(UsageError) as e:

@@ -54,6 +54,17 @@ def test_the_three_op_sets_offer_the_same_functions_with_the_same_arguments():
         assert next(iter(inspect.signature(getattr(llmz.reference, name)).parameters)) == "dev", name
 
 
+def test_the_precision_is_one_record_of_dtypes():
+    from llmz.precision import PRECISIONS, as_precision
+    f32, f64, u16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16)
+    want = {"fp32": (f32, f32, None, False, 4), "fp64": (f64, f64, None, False, 8), "bf16": (u16, f32, f32, True, 2)}
+    for name, p in PRECISIONS.items():
+        assert (p.storage, p.stats, p.master, p.bf16, p.value_bytes) == want[name]
+        assert as_precision(name) is as_precision(p.storage) is as_precision(p) is p
+    with pytest.raises(ValueError):
+        as_precision(np.int32)
+
+
 @pytest.mark.parametrize("kind, kernel_set, ops", [("cpu", "auto", "llmz.reference"),
                                                    ("cpu", "teaching", "llmz.reference"),
                                                    ("sim", "auto", "llmz.kernels"),
