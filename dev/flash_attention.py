@@ -1,14 +1,18 @@
 """Flash attention on tensor cores, version by version (llm.c's dev/cuda role): every version's forward and
-backward checked against a float64 reference on fresh random inputs, run twice for the same bits, timed at
-GPT-2 small's shape (B=16, T=1024, NH=12, hs=64, bf16), and a table printed last.
+backward checked against a float64 reference on fresh random inputs, run twice for the same bits, timed at a
+GPT-2 size's attention shape (bf16), and a table printed last.
 
-    timeout 150 python dev/flash_attention.py          # every version (GPU; ~60-90 s with compilation)
-    python dev/flash_attention.py 1 3                  # some versions
+    timeout 290 python dev/flash_attention.py --model d12 d48      # every version, timed at d12 and d48 (GPU)
+    python dev/flash_attention.py 5 7 --model d48                  # some versions (default --model d12)
+
+--model NAME ...: timed at each model's attention (llmz.config presets: C channels, L layers; -b B, default
+16, 8 for d36 and d48; -t T, default 1024; the heads NH = C / hs for the version's head size hs).
 
 version 1: the first tensor-core version (was llmz.fast until the promotion; dev/flash_attention_v1.py):
            64-row blocks of 4 warps (16 rows a warp); each K/V tile loaded global -> registers -> shared a
-           word at a time (V transposed on the way) behind the branch of the row check, so the loads of a tile go out one after another (the SASS shows LDG, STS, BRA per row:
-           ~20 L2 round trips a tile, nothing to overlap them); fragments read one word a lane (LDS.32).
+           word at a time (V transposed on the way) behind the branch of the row check, so the loads of a
+           tile go out one after another (the SASS shows LDG, STS, BRA per row: ~20 L2 round trips a tile,
+           nothing to overlap them); fragments read one word a lane (LDS.32).
 version 2: the tiles by cp.async (16-byte global -> shared copies that skip the registers and do not make the
            thread wait; a row past T is zero-filled, no branch) into two shared buffers: tile k+1's copies fly
            while tile k's mmas run, one syncthreads a tile. Fragments by ldmatrix .x4 (four 8x8 matrices an
@@ -23,29 +27,47 @@ version 4: version 3's backward with 64-row dk/dv blocks (version 2's, 2 blocks 
 version 5: the forward with 32 rows a warp (128-row blocks of 4 warps, FlashAttention-2's shape for hs=64):
            each K/V fragment read from shared memory feeds two mmas (half the ldmatrix per mma), two
            independent mma chains a warp; ~2x the registers (2 blocks an SM). Backward: version 4's.
+           (llmz.fast.flash_attention today.)
 version 6: version 2 with its 64-row dq kernel bounded to 2 blocks an SM instead of 3 (no spills).
+version 7: version 5 without the row-sum pass: the dq kernel runs first and computes D = rowsum(dO o O) of
+           its own rows (dO's fragments are in its registers already; the same words of O, then the row's 4
+           lanes), uses it and stores it for the dk/dv kernel that runs after it. One launch and one read of
+           dO and O fewer (flash_rowsum_kernel: 6.1 ms a d48 step at 9% of the bandwidth).
+version 8: version 5 compiled for head size 32 (--model small's): the same source, HS = 32.
+version 9: version 5 compiled for head size 128: HS = 128 with streamed tiles of BC = 32 rows and one row
+           tile a warp in the forward (at 64 and two, registers and the 48 KiB of static shared memory run out).
+version 10: version 5 with streamed tiles of BC = 32 rows (S, P, dP, dS: half the registers) and 3 blocks an SM
+           (12 warps where 5 has 8; dq in blocks of 4 warps): more warps to hide the ldmatrix and exp
+           latencies, against twice the syncthreads and cp.async groups per key. ptxas: forward 168 registers
+           (72 B spilled), dk/dv 168 (16 B), dq 162 (none).
+version 11: versions 10 and 7 together.
+version 12: the forward on Hopper's wgmma (dev/flash_attention_wgmma.py: warpgroup products from registers and
+           128-byte-swizzled shared tiles, 8 instructions a 64-key tile for 64 rows where version 5 issues 256
+           mma.sync); the backward of version 5. Not yet run on a GPU: its probe (the instruction, the
+           descriptors, the layouts) runs first, in a process of its own.
 The forward and the backward of a version are independent: the best of each column can be combined.
 
 Each version runs in its own try/except (a compile or launch error is one line and the next version runs);
 the device is synchronised after every launch group, so an error is charged to the version that made it.
 Checks: out and dinp poisoned (NaN) before each run; bf16 tolerances as tools/flash_check.py (norm-wise
 relative error out < 1e-2, dq/dk/dv < 2e-2, lse within 1e-2); shapes B=2 T=1024 NH=12, and NH=3 at T=1030,
-65 (partial last tiles), 17 (accumulating onto a random dinp), 1; two runs of the first shape must give
-the same bits (no atomics anywhere).
+65 (partial last tiles), 17 (accumulating onto a random dinp), 1, at the version's head size; two runs of the
+first shape must give the same bits (no atomics anywhere).
 Promotion (done): llmz.fast.flash_attention runs version 5's forward and version 4's backward (the best of
-each column on an H200): flash_forward_mma_kernel is version 5's forward, flash_dq_mma_kernel the 128-row,
-8-warp dq, flash_dkv_mma_kernel the 64-row, 4-warp dk/dv, flash_rowsum_kernel the 16-byte-load rowsum, as
-module-level kernels with their block shapes as module constants. This file imports them, and builds the
-earlier versions' other block shapes from the same bodies (reshaped below), so no kernel's source is here
-twice; what was never promoted (version 1, the 16-rows-a-warp forward) lives only in dev/.
+each column on an H200), each kernel composed from llmz.fast's device functions (FlashAttention-2's steps).
+Versions 2-11 are that source compiled with other module constants (llmz.fast.flash_attention.compiled_with:
+block shapes, head size), version 7 with one device function swapped; version 1 (dev/flash_attention_v1.py)
+composes the same device functions around its own staging: no kernel's source is here twice.
 Kernel sizes: python tools/flash_ptx.py --dev (ptxas registers, spills, shared memory; no GPU needed).
 """
+import argparse
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
-import types
 
 import numba
 import numpy as np
@@ -54,249 +76,106 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import flash_attention_v1 as v1
+from dev import flash_attention_wgmma as wg
+from llmz.config import preset
 from llmz.device import ceil_div
 from llmz.fast import flash_attention as fa
 from llmz.fast.device_helpers import pair_view
-from llmz.fast.flash_attention import (
-    BC,
-    BUF_WORDS,
-    FULL,
-    HS,
-    LOG2E,
-    NEG,
-    ONE,
-    PAD,
-    SCALE,
-    TILE_BYTES,
-    WORDS,
-    ZERO,
-    causal_flops,
-    copy_tile,
-    launch_bounds,
-    rows_lane,
-    trans_lane,
-)
-from llmz.fast.mma import (
-    cp_async_commit,
-    cp_async_wait,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
-    pack_bf16x2,
-    shared_address,
-)
-from llmz.fast.mma import mma_m16n8k16_bf16 as mma
+from tools.flash_check import TOL, errors, rel, time_ms, time_sdpa
+
+PEAK_TFLOPS = 989.0         # the H200's dense bf16 tensor-core peak (llmz's MFU uses the same)
+A_HS = fa.A_HS              # a lane's words of a row tile's A fragments over the head (a kernel's array size)
 
 
-# ---- versions 2, 3, 4, 6's forward: cp.async double buffering, ldmatrix fragments, 16 rows a warp --------
-def make_forward(warps, blocks):
-    """The forward kernel for blocks of 16*warps query rows (warp w: rows 16w..16w+15), streamed key tiles of
-    BC rows, launch-bounded for `blocks` blocks an SM. (llmz.fast's forward is version 5's: 32 rows a warp.)"""
-    BR = 16 * warps             # the block's own rows
-    NT = 32 * warps
-
-    @cuda.jit(fastmath=True, **launch_bounds(NT, blocks))
-    def forward(out, lse, inp, scale_log2):
-        # out (B,T,C/2), inp (B,T,3C/2) words; lse (B,NH,T) float32. Block (query tile of BR rows, h, b), the
-        # longest first. Overwrites out and lse.
-        T, W, C2 = inp.shape[1], inp.shape[2], out.shape[2]
-        qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        w0 = qt * BR + 16 * warp                    # the warp's first row
-        ra = w0 + g
-        rb = ra + 8
-        hq = h * WORDS
-        smem = cuda.shared.array(BUF_WORDS, numba.uint32)     # buffer s: K tile 2s, V tile 2s+1
-        base = shared_address(smem, 0)
-        ka = base + 4 * rows_lane(lane, PAD)        # the lane's ldmatrix row addresses in buffer 0
-        va = base + TILE_BYTES + 4 * trans_lane(lane, PAD)
-        nkt = (min(qt * BR + BR, T) - 1) // BC + 1  # key tiles up to the block's last row
-        copy_tile(base, inp, b, 0, C2 + hq, T, W, tid, NT)
-        copy_tile(base + TILE_BYTES, inp, b, 0, 2 * C2 + hq, T, W, tid, NT)
-        cp_async_commit()
-        qf = cuda.local.array(16, numba.uint32)     # Q as A fragments (4 k-steps), for the whole kernel
-        for kk in range(4):
-            qf[4 * kk] = inp[b, ra, hq + 8 * kk + t] if ra < T else ZERO
-            qf[4 * kk + 1] = inp[b, rb, hq + 8 * kk + t] if rb < T else ZERO
-            qf[4 * kk + 2] = inp[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
-            qf[4 * kk + 3] = inp[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
-        o = cuda.local.array(32, numba.float32)
-        s = cuda.local.array(32, numba.float32)
-        pf = cuda.local.array(16, numba.uint32)
-        for i in range(32):
-            o[i] = 0.0
-        ma = numba.float32(NEG)
-        mb = numba.float32(NEG)
-        la = numba.float32(0.0)
-        lb = numba.float32(0.0)
-        for kt in range(nkt):
-            cp_async_wait(0)
-            cuda.syncthreads()                      # tile kt is in; every warp is done with tile kt-1
-            if kt + 1 < nkt:                        # its buffer takes tile kt+1 while tile kt is used
-                nxt = base + ((kt + 1) % 2) * 2 * TILE_BYTES
-                copy_tile(nxt, inp, b, (kt + 1) * BC, C2 + hq, T, W, tid, NT)
-                copy_tile(nxt + TILE_BYTES, inp, b, (kt + 1) * BC, 2 * C2 + hq, T, W, tid, NT)
-                cp_async_commit()
-            k0 = kt * BC
-            if k0 <= w0 + 15:                       # some key of the tile is at or before the warp's rows
-                off = (kt % 2) * 2 * TILE_BYTES
-                # S = Q K^T: ldmatrix gives n-tile j's B fragments for two k-steps
-                for i in range(32):
-                    s[i] = 0.0
-                for kp in range(2):
-                    for j in range(8):
-                        b0, b1, b2, b3 = ldmatrix_x4(ka + off + 4 * (8 * j * PAD + 16 * kp))
-                        s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                            qf[8 * kp], qf[8 * kp + 1], qf[8 * kp + 2], qf[8 * kp + 3], b0, b1,
-                            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                        s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                            qf[8 * kp + 4], qf[8 * kp + 5], qf[8 * kp + 6], qf[8 * kp + 7], b2, b3,
-                            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                if k0 + BC - 1 > w0:                # the causal mask (keys past T are past every row < T)
-                    for j in range(8):
-                        u = k0 + 8 * j + 2 * t
-                        if u > ra:
-                            s[4 * j] = NEG
-                        if u + 1 > ra:
-                            s[4 * j + 1] = NEG
-                        if u > rb:
-                            s[4 * j + 2] = NEG
-                        if u + 1 > rb:
-                            s[4 * j + 3] = NEG
-                xa, xb = ma, mb
-                for j in range(8):
-                    xa = max(xa, max(s[4 * j], s[4 * j + 1]))
-                    xb = max(xb, max(s[4 * j + 2], s[4 * j + 3]))
-                xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 1))
-                xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 2))
-                xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 1))
-                xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 2))
-                alpha_a = math.exp2((ma - xa) * scale_log2)
-                alpha_b = math.exp2((mb - xb) * scale_log2)
-                ma, mb = xa, xb
-                la *= alpha_a
-                lb *= alpha_b
-                for j in range(8):
-                    o[4 * j] *= alpha_a
-                    o[4 * j + 1] *= alpha_a
-                    o[4 * j + 2] *= alpha_b
-                    o[4 * j + 3] *= alpha_b
-                sa, sb = ma * scale_log2, mb * scale_log2
-                for j in range(8):
-                    s[4 * j] = math.exp2(s[4 * j] * scale_log2 - sa)
-                    s[4 * j + 1] = math.exp2(s[4 * j + 1] * scale_log2 - sa)
-                    s[4 * j + 2] = math.exp2(s[4 * j + 2] * scale_log2 - sb)
-                    s[4 * j + 3] = math.exp2(s[4 * j + 3] * scale_log2 - sb)
-                    la += s[4 * j] + s[4 * j + 1]
-                    lb += s[4 * j + 2] + s[4 * j + 3]
-                for kk in range(4):
-                    pf[4 * kk] = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
-                    pf[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
-                    pf[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
-                    pf[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
-                # O += P V: ldmatrix .trans gives k-step kk's B fragments for n-tiles 2jp, 2jp+1
-                for kk in range(4):
-                    for jp in range(4):
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(va + off + 4 * (16 * kk * PAD + 8 * jp))
-                        o[8 * jp], o[8 * jp + 1], o[8 * jp + 2], o[8 * jp + 3] = mma(
-                            pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3], b0, b1,
-                            o[8 * jp], o[8 * jp + 1], o[8 * jp + 2], o[8 * jp + 3])
-                        o[8 * jp + 4], o[8 * jp + 5], o[8 * jp + 6], o[8 * jp + 7] = mma(
-                            pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3], b2, b3,
-                            o[8 * jp + 4], o[8 * jp + 5], o[8 * jp + 6], o[8 * jp + 7])
-        la += cuda.shfl_xor_sync(FULL, la, 1)
-        la += cuda.shfl_xor_sync(FULL, la, 2)
-        lb += cuda.shfl_xor_sync(FULL, lb, 1)
-        lb += cuda.shfl_xor_sync(FULL, lb, 2)
-        ia, ib = ONE / la, ONE / lb
-        for j in range(8):
-            if ra < T:
-                out[b, ra, hq + 4 * j + t] = pack_bf16x2(o[4 * j] * ia, o[4 * j + 1] * ia)
-            if rb < T:
-                out[b, rb, hq + 4 * j + t] = pack_bf16x2(o[4 * j + 2] * ib, o[4 * j + 3] * ib)
-        if t == 0 and ra < T:
-            lse[b, h, ra] = (ma * scale_log2 + math.log2(la)) / LOG2E
-        if t == 0 and rb < T:
-            lse[b, h, rb] = (mb * scale_log2 + math.log2(lb)) / LOG2E
-
-    return forward
+# ---- version 7: D = rowsum(dO o O) in the dq kernel --------------------------------------------------------
+@cuda.jit(device=True, inline=True)
+def bf16_dot(x, y):
+    # the two bf16 products of words x and y, summed (float32)
+    return fa.bf16_lo(x) * fa.bf16_lo(y) + fa.bf16_hi(x) * fa.bf16_hi(y)
 
 
-# ---- the backward kernels at other block shapes: llmz.fast's bodies, recompiled ----------------------------
-def reshaped(kernel, threads, blocks, **constants):
-    """`kernel`, a llmz.fast.flash_attention kernel, compiled again with other values of its module's
-    constants (Numba reads a kernel's globals when it compiles it, from the function's __globals__): the
-    promoted body at an earlier version's block shape, with no second copy of its source."""
-    f = kernel.py_func
-    body = types.FunctionType(f.__code__, {**f.__globals__, **constants}, f.__name__, f.__defaults__,
-                              f.__closure__)
-    return cuda.jit(fastmath=True, **launch_bounds(threads, blocks))(body)
+@cuda.jit(device=True, inline=True)
+def load_query_rows_with_d(qf, dof, inp, dout, lse, d_out, b, h, r0, lane):
+    # version 7's load_query_rows: Q_i, dO_i, L_i as llmz.fast's, and D_i = rowsum(dO_i o O_i) computed here
+    # (dO's A fragments times the same words of O: even words are row g's, odd row g+8's; then the row's 4
+    # lanes) and stored to dsum for the dk/dv kernel that runs next. d_out = (dsum, out).
+    dsum, out = d_out
+    T = lse.shape[2]
+    of = cuda.local.array(A_HS, numba.uint32)
+    fa.load_fragments(qf, 0, inp, b, r0, h * fa.WORDS, lane)
+    fa.load_fragments(dof, 0, dout, b, r0, h * fa.WORDS, lane)
+    fa.load_fragments(of, 0, out, b, r0, h * fa.WORDS, lane)
+    da, db = numba.float32(0.0), numba.float32(0.0)
+    for y in range(0, A_HS, 2):
+        da += bf16_dot(dof[y], of[y])
+        db += bf16_dot(dof[y + 1], of[y + 1])
+    da, db = fa.row_sum(da), fa.row_sum(db)
+    ra, rb = r0 + lane // 4, r0 + lane // 4 + 8
+    if lane % 4 == 0 and ra < T:
+        dsum[b, h, ra] = da
+    if lane % 4 == 0 and rb < T:
+        dsum[b, h, rb] = db
+    la = lse[b, h, ra] * fa.LOG2E if ra < T else numba.float32(0.0)
+    lb = lse[b, h, rb] * fa.LOG2E if rb < T else numba.float32(0.0)
+    return la, lb, da, db
 
 
-def dq_kernel(warps, blocks):
-    """llmz.fast's dq kernel for blocks of 16*warps query rows, bounded for `blocks` blocks an SM."""
-    return reshaped(fa.flash_dq_mma_kernel, 32 * warps, blocks, DQ_ROWS=16 * warps, DQ_THREADS=32 * warps)
-
-
-def dkv_kernel(warps, blocks):
-    """llmz.fast's dk/dv kernel for blocks of 16*warps keys, bounded for `blocks` blocks an SM."""
-    return reshaped(fa.flash_dkv_mma_kernel, 32 * warps, blocks, DKV_ROWS=16 * warps, DKV_THREADS=32 * warps)
-
-
-FWD64 = make_forward(4, blocks=4)                   # versions 2 and 6
-FWD128 = make_forward(8, blocks=2)                  # versions 3 and 4
-DQ64 = dq_kernel(4, blocks=3)                       # version 2
-DQ64B2 = dq_kernel(4, blocks=2)                     # version 6 (no spills)
-DKV128 = dkv_kernel(8, blocks=1)                    # version 3
-# llmz.fast's: fa.flash_forward_mma_kernel (version 5), fa.flash_dq_mma_kernel (8 warps, 1 block: versions
-# 3, 4, 5), fa.flash_dkv_mma_kernel (4 warps, 2 blocks: versions 2, 4, 5, 6), fa.flash_rowsum_kernel (2-6)
-
-
-# ---- launches: (dev, arrays) as llmz.fast.flash_attention's -------------------------------------------
-def forward_with(kernel, rows, threads):
-    """The forward launch of `kernel`, blocks of `rows` query rows and `threads` threads."""
-    def forward(dev, out, lse, inp, NH):
-        B, T, _ = inp.shape
-        dev.launch(kernel, (ceil_div(T, rows), NH, B), threads, pair_view(out), lse, pair_view(inp),
-                   SCALE * LOG2E, flops=causal_flops(B, NH, T, 2))
-    return forward
-
-
-def backward_with(dq, dq_warps, dkv, dkv_warps):
-    """The backward launches: llmz.fast's rowsum, then `dkv` and `dq` (16 rows a warp)."""
+def backward_d_in_dq(mod):
+    """The backward of version 7 for module `mod` (its dq kernel taking (dsum, out) for dsum): dq (and D)
+    first, then dk/dv reading D; no row-sum kernel."""
     def backward(dev, dinp, dout, inp, out, lse, dsum, NH, accumulate):
         B, T, _ = inp.shape
         dout2, inp2, dinp2 = pair_view(dout), pair_view(inp), pair_view(dinp)
-        dev.launch(fa.flash_rowsum_kernel, ceil_div(B * T * NH * fa.CHUNKS, fa.ROWSUM_THREADS), fa.ROWSUM_THREADS,
-                   dsum, dout2, pair_view(out))
-        dev.launch(dkv, (ceil_div(T, 16 * dkv_warps), NH, B), 32 * dkv_warps, dinp2, dout2, inp2, lse,
-                   dsum, SCALE * LOG2E, SCALE, accumulate, flops=causal_flops(B, NH, T, 4))
-        dev.launch(dq, (ceil_div(T, 16 * dq_warps), NH, B), 32 * dq_warps, dinp2, dout2, inp2, lse,
-                   dsum, SCALE * LOG2E, SCALE, accumulate, flops=causal_flops(B, NH, T, 3))
+        d_out = (cuda.as_cuda_array(dsum), cuda.as_cuda_array(pair_view(out)))
+        dev.launch(mod.flash_dq_mma_kernel, (ceil_div(T, mod.DQ_ROWS), NH, B), mod.DQ_THREADS, dinp2, dout2,
+                   inp2, lse, d_out, mod.SCALE * mod.LOG2E, mod.SCALE, accumulate,
+                   flops=mod.causal_flops(B, NH, T, 3))
+        dev.launch(mod.flash_dkv_mma_kernel, (ceil_div(T, mod.DKV_ROWS), NH, B), mod.DKV_THREADS, dinp2, dout2,
+                   inp2, lse, dsum, mod.SCALE * mod.LOG2E, mod.SCALE, accumulate,
+                   flops=mod.causal_flops(B, NH, T, 4))
     return backward
 
 
-# version: (what it is, forward, backward)
+def with_d_in_dq(**constants):
+    """llmz.fast's source compiled with `constants` (at head size 64), its dq kernel computing D (version 7)."""
+    mod = fa.compiled_with(**constants)
+    mod.load_query_rows = load_query_rows_with_d
+    return mod
+
+
+# ---- the versions: (what it is, module or None, forward, backward, head size) ---------------------------------
+def version(name, mod, backward=None):
+    return name, mod, mod.flash_attention_forward_fast, backward or mod.flash_attention_backward_fast, mod.HS
+
+
+V7 = with_d_in_dq()                                 # at llmz.fast's block shapes
+SMALL_TILES = {"BC": 32, "FWD_BLOCKS_PER_SM": 3, "DKV_BLOCKS_PER_SM": 3, "DQ_WARPS": 4, "DQ_BLOCKS_PER_SM": 3}
+V11 = with_d_in_dq(**SMALL_TILES)
 VERSIONS = {
-    1: ("first tensor-core (dev/..._v1.py)", v1.flash_attention_forward_v1, v1.flash_attention_backward_v1),
-    2: ("cp.async x2 + ldmatrix, 64-row", forward_with(FWD64, 64, 128),
-        backward_with(DQ64, 4, fa.flash_dkv_mma_kernel, 4)),
-    3: ("as 2, 128-row blocks", forward_with(FWD128, 128, 256),
-        backward_with(fa.flash_dq_mma_kernel, 8, DKV128, 8)),
-    4: ("as 3, dk/dv 64-row", forward_with(FWD128, 128, 256), fa.flash_attention_backward_fast),
-    5: ("fwd 32 rows a warp; bwd as 4 (llmz.fast)", fa.flash_attention_forward_fast,
-        fa.flash_attention_backward_fast),
-    6: ("as 2, dq 2 blocks an SM", forward_with(FWD64, 64, 128),
-        backward_with(DQ64B2, 4, fa.flash_dkv_mma_kernel, 4)),
+    1: ("first tensor-core (dev/..._v1.py)", None, v1.flash_attention_forward_v1, v1.flash_attention_backward_v1,
+        64),
+    2: version("cp.async x2 + ldmatrix, 64-row", fa.compiled_with(
+        FWD_TILES=1, FWD_WARPS=4, FWD_BLOCKS_PER_SM=4, DQ_WARPS=4, DQ_BLOCKS_PER_SM=3)),
+    3: version("as 2, 128-row blocks", fa.compiled_with(
+        FWD_TILES=1, FWD_WARPS=8, FWD_BLOCKS_PER_SM=2, DKV_WARPS=8, DKV_BLOCKS_PER_SM=1)),
+    4: version("as 3, dk/dv 64-row", fa.compiled_with(FWD_TILES=1, FWD_WARPS=8, FWD_BLOCKS_PER_SM=2)),
+    5: version("llmz.fast: fwd 32 rows/warp, bwd 4's", fa),
+    6: version("as 2, dq 2 blocks an SM", fa.compiled_with(
+        FWD_TILES=1, FWD_WARPS=4, FWD_BLOCKS_PER_SM=4, DQ_WARPS=4, DQ_BLOCKS_PER_SM=2)),
+    7: version("5, D = rowsum(dO o O) in dq", V7, backward_d_in_dq(V7)),
+    8: version("5 at head size 32", fa.compiled_with(HS=32)),
+    9: version("5 at head size 128 (BC 32, 1 tile)", fa.compiled_with(HS=128, BC=32, FWD_TILES=1)),
+    10: version("5, BC 32, 3 blocks an SM", fa.compiled_with(**SMALL_TILES)),
+    11: version("10 and 7", V11, backward_d_in_dq(V11)),
+    12: ("wgmma forward (dev/..._wgmma.py); bwd 5's", None, wg.flash_attention_forward_wgmma,
+         fa.flash_attention_backward_fast, 64),
 }
 
 
 # ---- the float64 reference (dense: the whole causal T x T, float64) ---------------------------------------
 def reference(x, dy, NH, dinp0=None, xp=np):
     """x (B,T,3C), dy (B,T,C) float64 -> out (B,T,C), lse (B,NH,T), dinp (B,T,3C) (+ dinp0 when given). The
-    plain softmax attention and its gradient, checked against llmz's flash reference in main(); xp: numpy,
+    plain softmax attention and its gradient, checked against llmz's flash reference in setup(); xp: numpy,
     or cupy (float64 on the GPU: seconds instead of a minute at B=2 T=1024 NH=12)."""
     B, T, C3 = x.shape
     C = C3 // 3
@@ -324,35 +203,9 @@ def reference(x, dy, NH, dinp0=None, xp=np):
 
 
 # ---- checks and timings ------------------------------------------------------------------------------------
-TOL = {"out": 1e-2, "lse": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2}    # tools/flash_check.py's
-
-
-def errors(got, want, C, dinp0=None):
-    """Norm-wise relative errors of out, dq, dk, dv (of what was added, when accumulating onto dinp0) and
-    the max |lse error|, as tools/flash_check.py computes them."""
-    from llmz.bf16 import bf16_to_f32
-    out, lse, dinp = got
-    errs = {"out": rel(bf16_to_f32(out), want[0]), "lse": float(np.max(np.abs(lse - want[1])))}
-    d, w = bf16_to_f32(dinp).astype(np.float64), want[2]
-    if dinp0 is not None:
-        base = bf16_to_f32(dinp0).astype(np.float64)
-        d, w = d - base, w - base
-    floor = 1e-3 * np.linalg.norm(w)
-    for i, part in enumerate(("dq", "dk", "dv")):
-        x, y = d[..., i * C:(i + 1) * C], w[..., i * C:(i + 1) * C]
-        errs[part] = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), floor))
-    finite = all(np.all(np.isfinite(bf16_to_f32(a))) for a in (out, dinp)) and bool(np.all(np.isfinite(lse)))
-    return errs, finite
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def run(dev, version, inp, dout, NH, dinp0=None):
-    """One forward + backward of `version` on poisoned outputs: (out bits, lse, dinp bits) on the host."""
-    _, forward, backward = VERSIONS[version]
+def run(dev, ver, inp, dout, NH, dinp0=None):
+    """One forward + backward of version `ver` on poisoned outputs: (out bits, lse, dinp bits) on the host."""
+    _, _, forward, backward, _ = VERSIONS[ver]
     B, T, C3 = inp.shape
     out = dev.full((B, T, C3 // 3), 0x7FC0, np.uint16)
     lse = dev.full((B, NH, T), np.nan, np.float32)
@@ -366,60 +219,50 @@ def run(dev, version, inp, dout, NH, dinp0=None):
     return dev.to_host(out), dev.to_host(lse), dev.to_host(dinp)
 
 
-def time_ms(dev, fn, reps=10):
-    import cupy
-    fn()
-    dev.synchronize()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record(dev.compute_stream.cupy)
-    for _ in range(reps):
-        fn()
-    e1.record(dev.compute_stream.cupy)
-    e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / reps
-
-
-def setup(rng):
-    """The checked cases (label, inp, dout, NH, dinp0, want) with fresh random bf16 inputs and their float64
-    references (on the GPU), after checking the dense reference against llmz's flash reference."""
-    import cupy
-
-    from llmz.bf16 import bf16_to_f32, f32_to_bf16
+def check_reference():
+    """The dense float64 reference against llmz's flash reference (B=1 T=130 NH=2): printed, and True if
+    they agree to rounding."""
     from llmz.kernels.flash_attention import flash_attention_backward_ref, flash_attention_forward_ref
-    x, dy = rng.normal(size=(1, 130, 3 * 2 * HS)), rng.normal(size=(1, 130, 2 * HS))
-    o, lse = np.empty((1, 130, 2 * HS)), np.empty((1, 2, 130))
+    rng = np.random.default_rng()
+    x, dy = rng.normal(size=(1, 130, 3 * 2 * 64)), rng.normal(size=(1, 130, 2 * 64))
+    o, lse = np.empty((1, 130, 2 * 64)), np.empty((1, 2, 130))
     flash_attention_forward_ref(o, lse, x, 2)
     d = np.zeros(x.shape)
     flash_attention_backward_ref(d, dy, x, o, lse, 2)
     err = max(rel(a, b) for a, b in zip(reference(x, dy, 2), (o, lse, d)))
     print(f"dense float64 reference vs llmz flash reference (B=1 T=130 NH=2): {err:.1e} "
           f"({'PASS' if err < 1e-12 else 'FAIL'})")
+    return err < 1e-12
+
+
+def cases_for(hs, rng):
+    """The checked cases (label, inp, dout, NH, dinp0, want) at head size hs: fresh random bf16 inputs and
+    their float64 references (on the GPU)."""
+    import cupy
+
+    from llmz.bf16 import bf16_to_f32, f32_to_bf16
 
     def f64(a):
         return None if a is None else cupy.asarray(bf16_to_f32(a).astype(np.float64))
     cases = []
     for B, T, NH, acc in ((2, 1024, 12, False), (2, 1030, 3, False), (2, 65, 3, False), (2, 17, 3, True),
                           (1, 1, 3, False)):
-        C = NH * HS
+        C = NH * hs
         inp, dout = f32_to_bf16(rng.normal(size=(B, T, 3 * C))), f32_to_bf16(rng.normal(size=(B, T, C)))
         # accumulating: onto a dinp0 ~10x smaller than 1, so that rounding the sum to bf16 (what the check
         # subtracts dinp0 from) stays well inside the tolerance (onto N(0,1) at T=1030 it alone is 1.6e-2)
         dinp0 = f32_to_bf16(0.1 * rng.normal(size=(B, T, 3 * C))) if acc else None
         want = tuple(cupy.asnumpy(a) for a in reference(f64(inp), f64(dout), NH, f64(dinp0), xp=cupy))
-        cases.append((f"B={B} T={T} NH={NH}" + (" +=" if acc else ""), inp, dout, NH, dinp0, want))
+        cases.append((f"B={B} T={T} NH={NH} hs={hs}" + (" +=" if acc else ""), inp, dout, NH, dinp0, want))
     return cases
 
 
-TIMED = (16, 1024, 12)                          # B, T, NH: GPT-2 small's attention, one layer
-
-
-def check_and_time(dev, ver, cases, timed):
-    """One row of the table: (version, name, fwd ms, bwd ms, worst errors, ok, note)."""
-    name, forward, backward = VERSIONS[ver]
+def check(dev, ver, cases):
+    """Version `ver` on every case: (worst errors, ok, note), a line a case printed."""
     worst, ok, note = {}, True, ""
     for label, inp, dout, NH, dinp0, want in cases:
         got = run(dev, ver, inp, dout, NH, dinp0)
-        errs, finite = errors(got, want, NH * HS, dinp0)
+        errs, finite = errors(got, want, inp.shape[2] // 3, dinp0)
         good = finite and all(errs[k] < TOL[k] for k in errs)
         ok &= good
         for k, v in errs.items():
@@ -431,11 +274,54 @@ def check_and_time(dev, ver, cases, timed):
             ok &= same
             note += "" if same else "nondeterministic "
             print(f"  v{ver} {label}: second run {'gives the same bits' if same else 'gives DIFFERENT BITS'}")
-    tin, tdout, tout, tlse, tdinp, tdsum = timed
-    NH = TIMED[2]
-    fwd = time_ms(dev, lambda: forward(dev, tout, tlse, tin, NH))
-    bwd = time_ms(dev, lambda: backward(dev, tdinp, tdout, tin, tout, tlse, tdsum, NH, False))
-    return ver, name, fwd, bwd, worst, ok, note
+    return worst, ok, note
+
+
+def shape(model, B, T):
+    """(label, B, T, C, L): the attention shape of a model preset."""
+    cfg = preset(model)
+    B = B or (8 if model in ("d36", "d48") else 16)
+    return f"{model}: B={B} T={T} C={cfg.channels}, {cfg.num_layers} layers", B, T, cfg.channels, cfg.num_layers
+
+
+def timed_arrays(dev, rng, B, T, C, hs):
+    """Random bf16 inputs and outputs for timing at (B, T, C), NH = C // hs heads (NH * hs channels: C unless
+    hs does not divide it): (inp, dout, out, lse, dinp, dsum)."""
+    from llmz.bf16 import f32_to_bf16
+    NH = C // hs
+    C = NH * hs
+    return (dev.asarray(f32_to_bf16(rng.normal(size=(B, T, 3 * C)))),
+            dev.asarray(f32_to_bf16(rng.normal(size=(B, T, C)))),
+            dev.zeros((B, T, C)), dev.zeros((B, NH, T), np.float32), dev.zeros((B, T, 3 * C)),
+            dev.zeros((B, NH, T), np.float32))
+
+
+def time_version(dev, ver, arrays):
+    """(forward ms, backward ms, per kernel) of version `ver` on the timed arrays; per kernel: the launches of
+    one more forward and backward, each between CUDA events, queued while the GPU waits (llmz.bench's
+    per-kernel way): "name ms rate" for each, TFLOP/s of the kernel's own products or GB/s."""
+    import cupy
+
+    from llmz.bench import hold_kernel
+    _, _, forward, backward, hs = VERSIONS[ver]
+    inp, dout, out, lse, dinp, dsum = arrays
+    NH = inp.shape[2] // 3 // hs
+    fwd = time_ms(dev, lambda: forward(dev, out, lse, inp, NH))
+    bwd = time_ms(dev, lambda: backward(dev, dinp, dout, inp, out, lse, dsum, NH, False))
+    dev.launch(hold_kernel(), 1, 1, 50)
+    dev.profile = []
+    try:
+        forward(dev, out, lse, inp, NH)
+        backward(dev, dinp, dout, inp, out, lse, dsum, NH, False)
+        dev.synchronize()
+        records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
+    finally:
+        dev.profile = None
+    kernels = []
+    for (name, _, _, flops, nbytes), ms in records:
+        rate = f"{flops / ms / 1e9:.0f} TF/s" if flops else f"{nbytes / ms / 1e6:.0f} GB/s"
+        kernels.append(f"{name.replace('flash_', '').replace('_mma_kernel', '')} {ms:.3f} {rate}")
+    return fwd, bwd, ", ".join(kernels)
 
 
 def context_alive(dev):
@@ -448,38 +334,36 @@ def context_alive(dev):
         return False
 
 
-def run_versions(versions):
-    """Check and time `versions` in this process; after a sticky CUDA error, the rest in a fresh process.
-    Returns the table's rows."""
-    import json
-    import subprocess
-
-    from llmz.bf16 import f32_to_bf16
+def run_versions(versions, shapes, shape_args):
+    """Check and time `versions` (at every shape) in this process; after a sticky CUDA error, the rest in a
+    fresh process (given shape_args, the command line's shape flags). Returns the rows (version, name, hs,
+    {shape label: (fwd ms, bwd ms)}, worst, ok, note)."""
     from llmz.device import Device
     dev = Device("gpu", np.uint16, matmul="cublas", attention="flash")
     rng = np.random.default_rng()
-    cases = setup(rng)
-    B, T, NH = TIMED
-    C = NH * HS
-    timed = (dev.asarray(f32_to_bf16(rng.normal(size=(B, T, 3 * C)))),
-             dev.asarray(f32_to_bf16(rng.normal(size=(B, T, C)))),
-             dev.zeros((B, T, C)), dev.zeros((B, NH, T), np.float32), dev.zeros((B, T, 3 * C)),
-             dev.zeros((B, NH, T), np.float32))
-    rows = []
+    cases, arrays, rows = {}, {}, []
     for i, ver in enumerate(versions):
+        name, hs = VERSIONS[ver][0], VERSIONS[ver][4]
         t0 = time.time()
         try:
-            row = check_and_time(dev, ver, cases, timed)
+            if hs not in cases:
+                cases[hs] = cases_for(hs, rng)
+            worst, ok, note = check(dev, ver, cases[hs])
+            times = {}
+            for label, B, T, C, _ in shapes:
+                if (label, hs) not in arrays:
+                    arrays[label, hs] = timed_arrays(dev, rng, B, T, C, hs)
+                times[label] = time_version(dev, ver, arrays[label, hs])
+            rows.append((ver, name, hs, times, worst, ok, note))
         except Exception as e:  # noqa: BLE001 (one line, then the next version)
             msg = str(e).splitlines()[0][:200] if str(e) else ""
-            row = (ver, VERSIONS[ver][0], float("nan"), float("nan"), {}, False, f"{type(e).__name__}: {msg}")
-            print(f"v{ver} FAILED: {row[6]}", flush=True)
+            rows.append((ver, name, hs, {}, {}, False, f"{type(e).__name__}: {msg}"))
+            print(f"v{ver} FAILED: {rows[-1][6]}", flush=True)
             traceback.print_exc(limit=2)
             if not context_alive(dev) and versions[i + 1:]:
                 print(f"(the CUDA context is gone: versions {versions[i + 1:]} in a fresh process)", flush=True)
-                rows.append(row)
-                r = subprocess.run([sys.executable, __file__, "--child", *map(str, versions[i + 1:])],
-                                   capture_output=True, text=True, check=False)
+                argv = [sys.executable, __file__, "--child", *shape_args, *map(str, versions[i + 1:])]
+                r = subprocess.run(argv, capture_output=True, text=True, check=False)
                 print(r.stderr[-3000:] if r.returncode else "", end="")
                 for line in r.stdout.splitlines():
                     if line.startswith("ROW "):
@@ -487,82 +371,102 @@ def run_versions(versions):
                     else:
                         print(line)
                 return rows
-        rows.append(row)
-        print(f"v{ver} {row[1]}: forward {row[2]:.3f} ms, backward {row[3]:.3f} ms ({time.time() - t0:.1f} s)",
-              flush=True)
+            continue
+        for label, (f, b, kernels) in times.items():
+            print(f"v{ver} {name}, {label.split(':')[0]}: forward {f:.3f} ms, backward {b:.3f} ms; per kernel "
+                  f"(ms, rate): {kernels}", flush=True)
+        print(f"v{ver}: {time.time() - t0:.1f} s", flush=True)
     return rows
 
 
-def time_sdpa():
-    """(name, forward ms, backward ms) of PyTorch's SDPA at the timed shape, or None without torch."""
-    try:
-        import torch
-        import torch.nn.functional as F
-        B, T, NH = TIMED
-        q, k, v = (torch.randn(B, NH, T, HS, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        g = torch.randn(B, NH, T, HS, device="cuda", dtype=torch.bfloat16)
-
-        def tm(fn, reps=10):
-            fn()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(reps):
-                fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1) / reps
-        f = tm(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        both = tm(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g))
-        return f"torch {torch.__version__} SDPA", f, both - f
-    except Exception as e:  # noqa: BLE001
-        print(f"(no torch SDPA timing: {type(e).__name__}: {e})")
-        return None
-
-
 def registers():
-    """Registers a thread of each compiled kernel (what the GPU's driver reports)."""
+    """Registers a thread of each compiled mma kernel of each version (what the GPU's driver reports)."""
     regs = []
-    kernels = [("v1", k) for k in (v1.flash_forward_mma_kernel, v1.flash_dq_mma_kernel, v1.flash_dkv_mma_kernel)]
-    kernels += [("v2", FWD64), ("v2", DQ64), ("v3", FWD128), ("v3", DKV128), ("v6", DQ64B2)]
-    kernels += [("llmz.fast", k) for k in (fa.flash_forward_mma_kernel, fa.flash_dq_mma_kernel,
-                                           fa.flash_dkv_mma_kernel)]
-    for ver, k in kernels:
-        try:
-            n = k.get_regs_per_thread()
-            regs.append(f"{ver} {k.py_func.__name__} {max(n.values()) if isinstance(n, dict) else n}")
-        except Exception as e:  # noqa: BLE001 (not compiled: the version did not run)
-            regs.append(f"{ver} {k.py_func.__name__} ({type(e).__name__})")
+    names = ("flash_forward_mma_kernel", "flash_dq_mma_kernel", "flash_dkv_mma_kernel")
+    for ver, (_, mod, *_) in VERSIONS.items():
+        kernels = [wg.flash_forward_wgmma_kernel] if ver == 12 else [getattr(mod or v1, n) for n in names]
+        for k in kernels:
+            try:
+                n = k.get_regs_per_thread()
+                name = k.py_func.__name__.replace("flash_", "").replace("_kernel", "")
+                regs.append(f"v{ver} {name} {max(n.values()) if isinstance(n, dict) else n}")
+            except Exception:  # noqa: BLE001, S112 (not compiled: the version did not run)
+                continue
     return "registers a thread: " + ", ".join(regs)
 
 
+def print_table(rows, shapes, sdpa):
+    """The final table: one block a timed shape; TFLOP/s of the causal products and their % of the peak."""
+    for label, B, T, C, L in shapes:
+        print(f"\nflash attention, bf16, {label}; TFLOP/s of the causal products (fwd 2, bwd 5), % of "
+              f"{PEAK_TFLOPS:.0f}; errors: worst over the checked shapes")
+        print(f"{'version':<38}{'hs':>4}{'fwd ms':>8}{'bwd ms':>8}{'fwd TF':>8}{'bwd TF':>8}{'fwd %':>6}{'bwd %':>6}"
+              f"{f'x{L} ms':>8}{'out':>8}{'dq':>8}{'dk':>8}{'dv':>8}{'lse':>8}   result")
+        for ver, name, hs, times, w, ok, note in rows:
+            f, b, _ = times.get(label, (float("nan"), float("nan"), ""))
+            unit = B * (C // hs * hs) * T * (T + 1)     # one causal product's flops (NH * hs channels)
+            tf, tb = 2 * unit / f / 1e9, 5 * unit / b / 1e9
+            errs = "".join(f"{w.get(k, float('nan')):8.1e}" for k in ("out", "dq", "dk", "dv", "lse"))
+            print(f"{f'{ver} {name}'[:37]:<38}{hs:>4}{f:8.3f}{b:8.3f}{tf:8.0f}{tb:8.0f}{100 * tf / PEAK_TFLOPS:6.1f}"
+                  f"{100 * tb / PEAK_TFLOPS:6.1f}{L * (f + b):8.2f}{errs}   {'PASS' if ok else 'FAIL'} {note}")
+        if label in sdpa:
+            name, f, b = sdpa[label]
+            unit = B * (C // 64 * 64) * T * (T + 1)
+            tf, tb = 2 * unit / f / 1e9, 5 * unit / b / 1e9
+            print(f"{name[:37]:<38}{64:>4}{f:8.3f}{b:8.3f}{tf:8.0f}{tb:8.0f}{100 * tf / PEAK_TFLOPS:6.1f}"
+                  f"{100 * tb / PEAK_TFLOPS:6.1f}{L * (f + b):8.2f}")
+        print("per kernel (ms, TFLOP/s of its own products, or GB/s):")
+        for ver, _, _, times, *_ in rows:
+            if label in times:
+                print(f"  v{ver}: {times[label][2]}")
+
+
 def main(argv) -> int:
-    import json
+    p = argparse.ArgumentParser(prog="python dev/flash_attention.py",
+                                description="flash attention's versions, checked against float64 and timed")
+    p.add_argument("versions", nargs="*", type=int, help=f"versions to run (default all: {sorted(VERSIONS)})")
+    p.add_argument("--model", nargs="+", default=["d12"], help="model presets whose attention is timed")
+    p.add_argument("-b", "--batch-size", type=int, default=None, help="B (default 16; 8 for d36 and d48)")
+    p.add_argument("-t", "--seq-len", type=int, default=1024)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = [v for v in args.versions if v not in VERSIONS]
+    if unknown:
+        p.error(f"no version {unknown[0]} (versions: {sorted(VERSIONS)})")
+    for m in args.model:
+        try:
+            preset(m)
+        except ValueError as e:
+            p.error(str(e))
     t_start = time.time()
-    child = "--child" in argv
-    versions = [int(a) for a in argv if a != "--child"] or sorted(VERSIONS)
-    sdpa = None if child else time_sdpa()      # first: a version that breaks the context cannot stop it
-    rows = run_versions(versions)
-    if child:                                   # rows for the parent, one JSON line each
+    shapes = [shape(m, args.batch_size, args.seq_len) for m in args.model]
+    versions = args.versions or sorted(VERSIONS)
+    sdpa = {}
+    if not args.child:                          # first: a version that breaks the context cannot stop it
+        ref_ok = check_reference()
+        if 12 in versions:                      # wgmma alone, in a process of its own
+            try:
+                r = subprocess.run([sys.executable, wg.__file__], capture_output=True, text=True, check=False,
+                                   timeout=120)
+                print(r.stdout + (f"wgmma probe FAILED (exit {r.returncode}): {r.stderr.strip()[-1500:]}\n"
+                                  if r.returncode else ""), end="", flush=True)
+            except subprocess.TimeoutExpired:
+                print("wgmma probe FAILED: no answer in 120 s", flush=True)
+        for label, B, T, C, _ in shapes:
+            t = time_sdpa(B, T, C // 64, 64)
+            if t:
+                sdpa[label] = t
+    shape_args = ["--model", *args.model, "-t", str(args.seq_len)]
+    shape_args += ["-b", str(args.batch_size)] if args.batch_size else []
+    rows = run_versions(versions, shapes, shape_args)
+    if args.child:                              # rows for the parent, one JSON line each
         for row in rows:
             print("ROW " + json.dumps(row))
         return 0
-    B, T, NH = TIMED
-    unit = B * NH * HS * T * (T + 1)            # one causal product's flops
-    print(f"\nflash attention, bf16, B={B} T={T} NH={NH} hs={HS}; TFLOP/s of the causal products (fwd 2, bwd 5); "
-          f"errors: worst over the checked shapes ({time.time() - t_start:.0f} s in all)")
-    print(f"{'version':<36}{'fwd ms':>8}{'bwd ms':>8}{'fwd TF':>8}{'bwd TF':>8}{'x12 ms':>8}"
-          f"{'out':>8}{'dq':>8}{'dk':>8}{'dv':>8}{'lse':>8}   result")
-    for ver, name, f, b, w, ok, note in rows:
-        errs = "".join(f"{w.get(k, float('nan')):8.1e}" for k in ("out", "dq", "dk", "dv", "lse"))
-        print(f"{f'{ver} {name}'[:35]:<36}{f:8.3f}{b:8.3f}{2 * unit / f / 1e9:8.0f}{5 * unit / b / 1e9:8.0f}"
-              f"{12 * (f + b):8.2f}{errs}   {'PASS' if ok else 'FAIL'} {note}")
-    if sdpa:
-        name, f, b = sdpa
-        print(f"{name[:35]:<36}{f:8.3f}{b:8.3f}{2 * unit / f / 1e9:8.0f}{5 * unit / b / 1e9:8.0f}{12 * (f + b):8.2f}")
+    print_table(rows, shapes, sdpa)
     print(registers())
-    return 0 if all(r[5] for r in rows) else 1
+    print(f"({time.time() - t_start:.0f} s in all)")
+    return 0 if ref_ok and all(r[5] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ registers -> shared memory a word at a time (stage_rows; stage_transposed writes
 fragment of O += P V, dq += dS K, dv += P^T dO, dk += dS^T Q wants, key pairs in a word), behind the branch of
 the row check, so the loads of a tile go out one after another; fragments are read one word a lane
 (load_at, LDS.32). One shared buffer: two syncthreads a tile, nothing to overlap the copies with the mmas.
-Helpers, constants and the contract are llmz.fast.flash_attention's.
+The FlashAttention-2 steps (the device functions), constants and the contract are llmz.fast.flash_attention's;
+only the staging and the one-word-a-lane products (mma_words) are version 1's own.
 """
-import math
 
 import numba
 from numba import cuda
@@ -16,7 +16,6 @@ from numba import cuda
 from llmz.device import ceil_div
 from llmz.fast.device_helpers import pair_view
 from llmz.fast.flash_attention import (
-    FULL,
     HI16,
     LO16,
     LOG2E,
@@ -27,14 +26,25 @@ from llmz.fast.flash_attention import (
     SCALE,
     WORDS,
     ZERO,
+    ZERO_F,
     bf16_hi,
     bf16_lo,
+    block_rows,
     causal_flops,
+    causal_mask,
+    compute_ds,
     launch_bounds,
-    store_pair,
+    load_fragments,
+    load_query_rows,
+    mma_tile,
+    online_softmax,
+    pack_a,
+    recompute_p,
+    row_stats,
+    store_rows,
+    write_o_lse,
 )
-from llmz.fast.mma import load_at, pack_bf16x2, store_at
-from llmz.fast.mma import mma_m16n8k16_bf16 as mma
+from llmz.fast.mma import load_at, store_at
 
 TILE = 64                   # rows of a block's tile and of the other operand's tiles
 WARPS = 4                   # warp w owns rows 16w..16w+15 of the block's tile
@@ -68,122 +78,58 @@ def stage_transposed(tile, x, b, r0, w0, T, tid):
         store_at(tile, base, PAD + 4 * i, (x0 >> S16) | (x1 & HI16))
 
 
+# ---- the products: B fragments one word a lane -----------------------------------------------------------
+@cuda.jit(device=True, inline=True)
+def mma_words(c, a, tile, fb):
+    # C += A B for one row tile: A (16 x 64) in a (4 k-steps); B^T (8 n-tiles x 64 k) stored row-major in the
+    # shared `tile` (K's rows for S = Q K^T; a transposed copy, key pairs in a word, for O += P V): lane 4g+t
+    # reads b[0], b[1] of n-tile j, k-step kk at words 8kk+t and 8kk+4+t of row 8j+g (fb = g*PAD + t)
+    for kk in range(4):
+        for j in range(8):
+            mma_tile(c, 4 * j, a, 4 * kk, load_at(tile, fb, 8 * j * PAD + 8 * kk),
+                     load_at(tile, fb, 8 * j * PAD + 8 * kk + 4))
+
+
+@cuda.jit(device=True, inline=True)
+def zero(c):
+    for x in range(32):
+        c[x] = 0.0
+
+
 # ---- forward ---------------------------------------------------------------------------------------
 @cuda.jit(fastmath=True)
 def flash_forward_mma_kernel(out, lse, inp, scale_log2):
     # out (B,T,C/2), inp (B,T,3C/2) words; lse (B,NH,T) float32. Block (query tile, h, b), the longest rows
     # (last query tile) first. Overwrites out and lse.
     T, C2 = inp.shape[1], out.shape[2]
-    qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    warp, lane = tid // 32, tid % 32
-    g, t = lane // 4, lane % 4
-    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
-    ra = qt * TILE + 16 * warp + g              # the lane's two rows
-    rb = ra + 8
+    tid, lane, h, b, r0, w0 = block_rows(TILE, 16, True)
+    fb = lane // 4 * PAD + lane % 4             # the lane's word in a shared tile's fragment
     hq = h * WORDS
     k_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     vt_s = cuda.shared.array(TILE_WORDS, numba.uint32)
-    # Q as A fragments, 4 k-steps of 16 channels, for the whole kernel
-    qf = cuda.local.array(16, numba.uint32)
-    for kk in range(4):
-        qf[4 * kk] = inp[b, ra, hq + 8 * kk + t] if ra < T else ZERO
-        qf[4 * kk + 1] = inp[b, rb, hq + 8 * kk + t] if rb < T else ZERO
-        qf[4 * kk + 2] = inp[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
-        qf[4 * kk + 3] = inp[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
-    o = cuda.local.array(32, numba.float32)     # O: rows ra, rb x channels 8j+2t, 8j+2t+1
-    s = cuda.local.array(32, numba.float32)     # S, then P: rows ra, rb x keys 8j+2t, 8j+2t+1
-    pf = cuda.local.array(16, numba.uint32)     # P as bf16 A fragments
-    for i in range(32):
-        o[i] = 0.0
-    ma = numba.float32(NEG)                     # running max (raw scores) and sum of the two rows
-    mb = numba.float32(NEG)
-    la = numba.float32(0.0)
-    lb = numba.float32(0.0)
-    for kt in range(qt + 1):
+    qf = cuda.local.array(16, numba.uint32)     # Q as A fragments, for the whole kernel
+    load_fragments(qf, 0, inp, b, w0, hq, lane)
+    o = cuda.local.array(32, numba.float32)     # O: rows g, g+8 x channels 8j+2t, 8j+2t+1
+    s = cuda.local.array(32, numba.float32)     # S, then P~: rows g, g+8 x keys 8j+2t, 8j+2t+1
+    pf = cuda.local.array(16, numba.uint32)     # P~ as bf16 A fragments
+    m = cuda.local.array(2, numba.float32)      # running max (raw scores) and sum of the two rows
+    l = cuda.local.array(2, numba.float32)
+    zero(o)
+    m[0], m[1], l[0], l[1] = NEG, NEG, 0.0, 0.0
+    for kt in range(r0 // TILE + 1):
         k0 = kt * TILE
         cuda.syncthreads()                      # the previous tile is consumed
         stage_rows(k_s, inp, b, k0, C2 + hq, T, tid)
         stage_transposed(vt_s, inp, b, k0, 2 * C2 + hq, T, tid)
         cuda.syncthreads()
-        # S = Q K^T: 8 n-tiles of 8 keys, 4 k-steps
-        for i in range(32):
-            s[i] = 0.0
-        for kk in range(4):
-            for j in range(8):
-                s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                    qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
-                    load_at(k_s, fb, 8 * j * PAD + 8 * kk), load_at(k_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-        # the causal mask, on the diagonal tile only (keys past T are past every row < T too)
-        if kt == qt:
-            for j in range(8):
-                u = k0 + 8 * j + 2 * t
-                if u > ra:
-                    s[4 * j] = NEG
-                if u + 1 > ra:
-                    s[4 * j + 1] = NEG
-                if u > rb:
-                    s[4 * j + 2] = NEG
-                if u + 1 > rb:
-                    s[4 * j + 3] = NEG
-        # the new running max of each row: the lane's 16 scores, then the row's 4 lanes
-        xa, xb = ma, mb
-        for j in range(8):
-            xa = max(xa, max(s[4 * j], s[4 * j + 1]))
-            xb = max(xb, max(s[4 * j + 2], s[4 * j + 3]))
-        xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 1))
-        xa = max(xa, cuda.shfl_xor_sync(FULL, xa, 2))
-        xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 1))
-        xb = max(xb, cuda.shfl_xor_sync(FULL, xb, 2))
-        # rescale the sums and O to the new max
-        alpha_a = math.exp2((ma - xa) * scale_log2)
-        alpha_b = math.exp2((mb - xb) * scale_log2)
-        ma, mb = xa, xb
-        la *= alpha_a
-        lb *= alpha_b
-        for j in range(8):
-            o[4 * j] *= alpha_a
-            o[4 * j + 1] *= alpha_a
-            o[4 * j + 2] *= alpha_b
-            o[4 * j + 3] *= alpha_b
-        # P = exp(scale * (S - max)); the lane's part of the row sums
-        sa, sb = ma * scale_log2, mb * scale_log2
-        for j in range(8):
-            s[4 * j] = math.exp2(s[4 * j] * scale_log2 - sa)
-            s[4 * j + 1] = math.exp2(s[4 * j + 1] * scale_log2 - sa)
-            s[4 * j + 2] = math.exp2(s[4 * j + 2] * scale_log2 - sb)
-            s[4 * j + 3] = math.exp2(s[4 * j + 3] * scale_log2 - sb)
-            la += s[4 * j] + s[4 * j + 1]
-            lb += s[4 * j + 2] + s[4 * j + 3]
-        # P as bf16 A fragments (two C tiles of 8 keys = one A fragment of 16), then O += P V
-        for kk in range(4):
-            pf[4 * kk] = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
-            pf[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
-            pf[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
-            pf[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
-        for kk in range(4):
-            for j in range(8):
-                o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma(
-                    pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    load_at(vt_s, fb, 8 * j * PAD + 8 * kk), load_at(vt_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3])
-    # the row sums over the row's 4 lanes; out = O / l; lse = scale * max + log(l)
-    la += cuda.shfl_xor_sync(FULL, la, 1)
-    la += cuda.shfl_xor_sync(FULL, la, 2)
-    lb += cuda.shfl_xor_sync(FULL, lb, 1)
-    lb += cuda.shfl_xor_sync(FULL, lb, 2)
-    ia, ib = ONE / la, ONE / lb
-    for j in range(8):
-        if ra < T:
-            out[b, ra, hq + 4 * j + t] = pack_bf16x2(o[4 * j] * ia, o[4 * j + 1] * ia)
-        if rb < T:
-            out[b, rb, hq + 4 * j + t] = pack_bf16x2(o[4 * j + 2] * ib, o[4 * j + 3] * ib)
-    if t == 0 and ra < T:
-        lse[b, h, ra] = (ma * scale_log2 + math.log2(la)) / LOG2E
-    if t == 0 and rb < T:
-        lse[b, h, rb] = (mb * scale_log2 + math.log2(lb)) / LOG2E
+        zero(s)
+        mma_words(s, qf, k_s, fb)                                       # S = Q K^T
+        if k0 + TILE - 1 > w0:                  # the causal mask, on the diagonal tile only
+            causal_mask(s, 0, w0, k0, lane, T, False, NEG)
+        online_softmax(s, o, m, l, 1, scale_log2)                       # m, P~, l; O rescaled
+        pack_a(pf, s, 1)
+        mma_words(o, pf, vt_s, fb)                                      # O += P~ V
+    write_o_lse(out, lse, o, m, l, 0, b, h, w0, hq, lane, scale_log2)
 
 
 # ---- backward --------------------------------------------------------------------------------------
@@ -216,112 +162,51 @@ def flash_dq_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulat
     # dq_t = scale * sum over keys u <= t of dS[t,u] k_u, key tiles in order up to the diagonal.
     # (+)= into dinp's q part (accumulate=False: overwrites).
     T, C2 = inp.shape[1], dout.shape[2]
-    qt = cuda.gridDim.x - 1 - cuda.blockIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    warp, lane = tid // 32, tid % 32
-    g, t = lane // 4, lane % 4
-    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
-    ra = qt * TILE + 16 * warp + g
-    rb = ra + 8
+    tid, lane, h, b, r0, w0 = block_rows(TILE, 16, True)
+    fb = lane // 4 * PAD + lane % 4
     hq = h * WORDS
     k_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     kt_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     v_s = cuda.shared.array(TILE_WORDS, numba.uint32)
-    # Q and dO as A fragments; the rows' lse (log2 units) and D
-    qf = cuda.local.array(16, numba.uint32)
+    qf = cuda.local.array(16, numba.uint32)     # Q and dO as A fragments; the rows' lse (log2 units) and D
     dof = cuda.local.array(16, numba.uint32)
-    for kk in range(4):
-        qf[4 * kk] = inp[b, ra, hq + 8 * kk + t] if ra < T else ZERO
-        qf[4 * kk + 1] = inp[b, rb, hq + 8 * kk + t] if rb < T else ZERO
-        qf[4 * kk + 2] = inp[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
-        qf[4 * kk + 3] = inp[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
-        dof[4 * kk] = dout[b, ra, hq + 8 * kk + t] if ra < T else ZERO
-        dof[4 * kk + 1] = dout[b, rb, hq + 8 * kk + t] if rb < T else ZERO
-        dof[4 * kk + 2] = dout[b, ra, hq + 8 * kk + 4 + t] if ra < T else ZERO
-        dof[4 * kk + 3] = dout[b, rb, hq + 8 * kk + 4 + t] if rb < T else ZERO
-    la = lse[b, h, ra] * LOG2E if ra < T else numba.float32(0.0)
-    lb = lse[b, h, rb] * LOG2E if rb < T else numba.float32(0.0)
-    da = dsum[b, h, ra] if ra < T else numba.float32(0.0)
-    db = dsum[b, h, rb] if rb < T else numba.float32(0.0)
+    la, lb, da, db = load_query_rows(qf, dof, inp, dout, lse, dsum, b, h, w0, lane)
     dq = cuda.local.array(32, numba.float32)
-    s = cuda.local.array(32, numba.float32)     # S, then P, then dS
-    dp = cuda.local.array(32, numba.float32)
+    s = cuda.local.array(32, numba.float32)     # S, then P
+    dp = cuda.local.array(32, numba.float32)    # dP, then dS
     pf = cuda.local.array(16, numba.uint32)
-    for i in range(32):
-        dq[i] = 0.0
-    for kt in range(qt + 1):
+    zero(dq)
+    for kt in range(r0 // TILE + 1):
         k0 = kt * TILE
         cuda.syncthreads()
         stage_rows(k_s, inp, b, k0, C2 + hq, T, tid)
         stage_transposed(kt_s, inp, b, k0, C2 + hq, T, tid)
         stage_rows(v_s, inp, b, k0, 2 * C2 + hq, T, tid)
         cuda.syncthreads()
-        # S = Q K^T and dP = dO V^T
-        for i in range(32):
-            s[i] = 0.0
-            dp[i] = 0.0
-        for kk in range(4):
-            for j in range(8):
-                s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                    qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
-                    load_at(k_s, fb, 8 * j * PAD + 8 * kk), load_at(k_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3] = mma(
-                    dof[4 * kk], dof[4 * kk + 1], dof[4 * kk + 2], dof[4 * kk + 3],
-                    load_at(v_s, fb, 8 * j * PAD + 8 * kk), load_at(v_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3])
-        # P = exp(scale * S - lse), 0 above the diagonal; dS = P (dP - D)
+        zero(s)
+        zero(dp)
+        mma_words(s, qf, k_s, fb)                                       # S = Q K^T
+        mma_words(dp, dof, v_s, fb)                                     # dP = dO V^T
         for j in range(8):
-            u = k0 + 8 * j + 2 * t
-            p0 = math.exp2(s[4 * j] * scale_log2 - la)
-            p1 = math.exp2(s[4 * j + 1] * scale_log2 - la)
-            p2 = math.exp2(s[4 * j + 2] * scale_log2 - lb)
-            p3 = math.exp2(s[4 * j + 3] * scale_log2 - lb)
-            if kt == qt:
-                p0 = p0 if u <= ra else numba.float32(0.0)
-                p1 = p1 if u + 1 <= ra else numba.float32(0.0)
-                p2 = p2 if u <= rb else numba.float32(0.0)
-                p3 = p3 if u + 1 <= rb else numba.float32(0.0)
-            s[4 * j] = p0 * (dp[4 * j] - da)
-            s[4 * j + 1] = p1 * (dp[4 * j + 1] - da)
-            s[4 * j + 2] = p2 * (dp[4 * j + 2] - db)
-            s[4 * j + 3] = p3 * (dp[4 * j + 3] - db)
-        # dq += dS K: dS as bf16 A fragments, K (keys x channels) from its transposed tile
-        for kk in range(4):
-            pf[4 * kk] = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
-            pf[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
-            pf[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
-            pf[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
-        for kk in range(4):
-            for j in range(8):
-                dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3] = mma(
-                    pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    load_at(kt_s, fb, 8 * j * PAD + 8 * kk), load_at(kt_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3])
-    for j in range(8):
-        if ra < T:
-            store_pair(dinp, b, ra, hq + 4 * j + t, dq[4 * j] * scale, dq[4 * j + 1] * scale, accumulate)
-        if rb < T:
-            store_pair(dinp, b, rb, hq + 4 * j + t, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale, accumulate)
+            recompute_p(s, 4 * j, la, lb, False, scale_log2)            # P = exp(S - L)
+        if kt == r0 // TILE:                    # the diagonal tile
+            causal_mask(s, 0, w0, k0, lane, T, False, ZERO_F)
+        for j in range(8):
+            compute_ds(dp, s, 4 * j, da, db, False)                     # dS = P o (dP - D)
+        pack_a(pf, dp, 1)
+        mma_words(dq, pf, kt_s, fb)                                     # dQ += dS K
+    store_rows(dinp, b, w0, hq, dq, 0, scale, scale, accumulate, lane)
 
 
 @cuda.jit(fastmath=True)
 def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumulate):
     # As flash_dq_mma_kernel for dk and dv: block (key tile, h, b), the longest (first key tile) first; the
-    # lane's rows are keys ka, kb; query tiles in order from the diagonal to the last:
-    #   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D)
-    #   dv += P^T dO, dk += scale dS^T Q.   (+)= into dinp's k and v parts (accumulate=False: overwrites).
+    # lane's rows are keys; query tiles in order from the diagonal to the last:
+    #   S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T, dS^T = P^T o (dP^T - D), dV += P^T dO, dK += scale dS^T Q
+    # (+)= into dinp's k and v parts (accumulate=False: overwrites).
     T, C2 = inp.shape[1], dout.shape[2]
-    ntiles = cuda.gridDim.x
-    kt = cuda.blockIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    warp, lane = tid // 32, tid % 32
-    g, t = lane // 4, lane % 4
-    fb = g * PAD + t                            # the lane's word in a shared tile's fragment
-    ka = kt * TILE + 16 * warp + g
-    kb = ka + 8
+    tid, lane, h, b, r0, w0 = block_rows(TILE, 16, False)
+    fb = lane // 4 * PAD + lane % 4
     hq = h * WORDS
     hk, hv = C2 + hq, 2 * C2 + hq
     q_s = cuda.shared.array(TILE_WORDS, numba.uint32)
@@ -330,27 +215,19 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
     dot_s = cuda.shared.array(TILE_WORDS, numba.uint32)
     lse_s = cuda.shared.array(TILE, numba.float32)
     d_s = cuda.shared.array(TILE, numba.float32)
-    # K and V as A fragments
-    kf = cuda.local.array(16, numba.uint32)
-    vf = cuda.local.array(16, numba.uint32)
-    for kk in range(4):
-        kf[4 * kk] = inp[b, ka, hk + 8 * kk + t] if ka < T else ZERO
-        kf[4 * kk + 1] = inp[b, kb, hk + 8 * kk + t] if kb < T else ZERO
-        kf[4 * kk + 2] = inp[b, ka, hk + 8 * kk + 4 + t] if ka < T else ZERO
-        kf[4 * kk + 3] = inp[b, kb, hk + 8 * kk + 4 + t] if kb < T else ZERO
-        vf[4 * kk] = inp[b, ka, hv + 8 * kk + t] if ka < T else ZERO
-        vf[4 * kk + 1] = inp[b, kb, hv + 8 * kk + t] if kb < T else ZERO
-        vf[4 * kk + 2] = inp[b, ka, hv + 8 * kk + 4 + t] if ka < T else ZERO
-        vf[4 * kk + 3] = inp[b, kb, hv + 8 * kk + 4 + t] if kb < T else ZERO
     dk = cuda.local.array(32, numba.float32)
     dv = cuda.local.array(32, numba.float32)
+    zero(dk)
+    zero(dv)
     s = cuda.local.array(32, numba.float32)     # S^T, then P^T
     dp = cuda.local.array(32, numba.float32)    # dP^T, then dS^T
     pf = cuda.local.array(16, numba.uint32)
-    for i in range(32):
-        dk[i] = 0.0
-        dv[i] = 0.0
-    for qt in range(kt, ntiles):
+    kf = cuda.local.array(16, numba.uint32)     # K and V as A fragments
+    vf = cuda.local.array(16, numba.uint32)
+    load_fragments(kf, 0, inp, b, w0, hk, lane)
+    load_fragments(vf, 0, inp, b, w0, hv, lane)
+    t2 = 2 * (lane % 4)                         # the lane's first column in an n-tile
+    for qt in range(r0 // TILE, cuda.gridDim.x):
         q0 = qt * TILE
         cuda.syncthreads()
         stage_rows(q_s, inp, b, q0, hq, T, tid)
@@ -358,76 +235,24 @@ def flash_dkv_mma_kernel(dinp, dout, inp, lse, dsum, scale_log2, scale, accumula
         stage_rows(do_s, dout, b, q0, hq, T, tid)
         stage_transposed(dot_s, dout, b, q0, hq, T, tid)
         if tid < TILE:
-            lse_s[tid] = lse[b, h, q0 + tid] * LOG2E if q0 + tid < T else numba.float32(0.0)
-            d_s[tid] = dsum[b, h, q0 + tid] if q0 + tid < T else numba.float32(0.0)
+            lse_s[tid], d_s[tid] = row_stats(lse, dsum, b, h, q0 + tid)
         cuda.syncthreads()
-        # S^T = K Q^T and dP^T = V dO^T: 8 n-tiles of 8 queries
-        for i in range(32):
-            s[i] = 0.0
-            dp[i] = 0.0
-        for kk in range(4):
-            for j in range(8):
-                s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = mma(
-                    kf[4 * kk], kf[4 * kk + 1], kf[4 * kk + 2], kf[4 * kk + 3],
-                    load_at(q_s, fb, 8 * j * PAD + 8 * kk), load_at(q_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3])
-                dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3] = mma(
-                    vf[4 * kk], vf[4 * kk + 1], vf[4 * kk + 2], vf[4 * kk + 3],
-                    load_at(do_s, fb, 8 * j * PAD + 8 * kk), load_at(do_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    dp[4 * j], dp[4 * j + 1], dp[4 * j + 2], dp[4 * j + 3])
-        # P^T = exp(scale * S^T - lse[query]), 0 where query < key (diagonal tile) or query >= T (last
-        # tile); dS^T = P^T (dP^T - D[query])
-        masked = qt == kt or q0 + TILE > T
-        for j in range(8):
-            c = 8 * j + 2 * t                   # the lane's two queries: q0 + c, q0 + c + 1
-            l0, l1 = load_at(lse_s, 2 * t, 8 * j), load_at(lse_s, 2 * t, 8 * j + 1)
-            p0 = math.exp2(s[4 * j] * scale_log2 - l0)
-            p1 = math.exp2(s[4 * j + 1] * scale_log2 - l1)
-            p2 = math.exp2(s[4 * j + 2] * scale_log2 - l0)
-            p3 = math.exp2(s[4 * j + 3] * scale_log2 - l1)
-            if masked:
-                u = q0 + c
-                p0 = p0 if ka <= u < T else numba.float32(0.0)
-                p1 = p1 if ka <= u + 1 < T else numba.float32(0.0)
-                p2 = p2 if kb <= u < T else numba.float32(0.0)
-                p3 = p3 if kb <= u + 1 < T else numba.float32(0.0)
-            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = p0, p1, p2, p3
-            d0, d1 = load_at(d_s, 2 * t, 8 * j), load_at(d_s, 2 * t, 8 * j + 1)
-            dp[4 * j] = p0 * (dp[4 * j] - d0)
-            dp[4 * j + 1] = p1 * (dp[4 * j + 1] - d1)
-            dp[4 * j + 2] = p2 * (dp[4 * j + 2] - d0)
-            dp[4 * j + 3] = p3 * (dp[4 * j + 3] - d1)
-        # dv += P^T dO: P^T as bf16 A fragments, dO (queries x channels) from its transposed tile
-        for kk in range(4):
-            pf[4 * kk] = pack_bf16x2(s[8 * kk], s[8 * kk + 1])
-            pf[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
-            pf[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
-            pf[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
-        for kk in range(4):
-            for j in range(8):
-                dv[4 * j], dv[4 * j + 1], dv[4 * j + 2], dv[4 * j + 3] = mma(
-                    pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    load_at(dot_s, fb, 8 * j * PAD + 8 * kk), load_at(dot_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    dv[4 * j], dv[4 * j + 1], dv[4 * j + 2], dv[4 * j + 3])
-        # dk += dS^T Q
-        for kk in range(4):
-            pf[4 * kk] = pack_bf16x2(dp[8 * kk], dp[8 * kk + 1])
-            pf[4 * kk + 1] = pack_bf16x2(dp[8 * kk + 2], dp[8 * kk + 3])
-            pf[4 * kk + 2] = pack_bf16x2(dp[8 * kk + 4], dp[8 * kk + 5])
-            pf[4 * kk + 3] = pack_bf16x2(dp[8 * kk + 6], dp[8 * kk + 7])
-        for kk in range(4):
-            for j in range(8):
-                dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3] = mma(
-                    pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
-                    load_at(qt_s, fb, 8 * j * PAD + 8 * kk), load_at(qt_s, fb, 8 * j * PAD + 8 * kk + 4),
-                    dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3])
-    for j in range(8):
-        if ka < T:
-            store_pair(dinp, b, ka, hk + 4 * j + t, dk[4 * j] * scale, dk[4 * j + 1] * scale, accumulate)
-            store_pair(dinp, b, ka, hv + 4 * j + t, dv[4 * j], dv[4 * j + 1], accumulate)
-        if kb < T:
-            store_pair(dinp, b, kb, hk + 4 * j + t, dk[4 * j + 2] * scale, dk[4 * j + 3] * scale, accumulate)
-            store_pair(dinp, b, kb, hv + 4 * j + t, dv[4 * j + 2], dv[4 * j + 3], accumulate)
+        zero(s)
+        zero(dp)
+        mma_words(s, kf, q_s, fb)                                       # S^T = K Q^T
+        mma_words(dp, vf, do_s, fb)                                     # dP^T = V dO^T
+        for j in range(8):                      # P^T = exp(S^T - L), L of the columns' queries
+            recompute_p(s, 4 * j, load_at(lse_s, t2, 8 * j), load_at(lse_s, t2, 8 * j + 1), True, scale_log2)
+        if q0 < w0 + 15 or q0 + TILE > T:       # the diagonal tile, the last (partial) tile
+            causal_mask(s, 0, w0, q0, lane, T, True, ZERO_F)
+        for j in range(8):                      # dS^T = P^T o (dP^T - D)
+            compute_ds(dp, s, 4 * j, load_at(d_s, t2, 8 * j), load_at(d_s, t2, 8 * j + 1), True)
+        pack_a(pf, s, 1)
+        mma_words(dv, pf, dot_s, fb)                                    # dV += P^T dO
+        pack_a(pf, dp, 1)
+        mma_words(dk, pf, qt_s, fb)                                     # dK += dS^T Q
+    store_rows(dinp, b, w0, hk, dk, 0, scale, scale, accumulate, lane)
+    store_rows(dinp, b, w0, hv, dv, 0, ONE, ONE, accumulate, lane)
 
 
 # ---- the launches (arguments as llmz.fast.flash_attention's) ---------------------------------------------

@@ -3,10 +3,12 @@ teaching kernels (simulator or GPU) against the reference, and on a GPU the tens
 (llmz.fast.flash_attention, llmz.fast.mma) against float64 and against the teaching kernels."""
 import numpy as np
 import pytest
+from numba import cuda
 
 from helpers import NAN_BF16, assert_within_one_step, finite_diff, poisoned, rand_bf16, rel_err
 from llmz import fast, kernels
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
+from llmz.fast import flash_attention as fa
 from llmz.kernels.attention import attention_backward_ref, attention_forward_ref
 from llmz.kernels.flash_attention import (
     BLOCK,
@@ -476,3 +478,181 @@ def test_cp_async_ldmatrix_and_16_byte_loads_match_numpy(rng, T):
         assert np.array_equal(ldm_t.copy_to_host()[n],
                               _ldmatrix(smem, ldmatrix_trans_lane(lanes, PAD) + n * (16 * PAD + 8), trans=True))
     assert np.array_equal(v4.copy_to_host(), x.reshape(-1)[:128].reshape(32, 4))
+
+
+# ---- the FlashAttention-2 steps on fragments (llmz.fast.flash_attention's device functions; no mma) ------------
+# One warp, each lane holding its C fragments as the kernels do (lane 4g+t: rows g, g+8 of each row tile, columns
+# 8j+2t, +1): the steps between the products, checked element by element against NumPy in the simulator on CI.
+@cuda.jit(device=True)
+def to_fragments(c, x, tiles, lane):
+    # c[32i + 4j + e] <- x[16i + g + 8(e // 2), 8j + 2t + e % 2] (x: 16 tiles rows x 64 columns)
+    for i in range(tiles):
+        for j in range(8):
+            for e in range(4):
+                c[32 * i + 4 * j + e] = x[16 * i + lane // 4 + 8 * (e // 2), 8 * j + 2 * (lane % 4) + e % 2]
+
+
+@cuda.jit(device=True)
+def from_fragments(x, c, tiles, lane):
+    for i in range(tiles):
+        for j in range(8):
+            for e in range(4):
+                x[16 * i + lane // 4 + 8 * (e // 2), 8 * j + 2 * (lane % 4) + e % 2] = c[32 * i + 4 * j + e]
+
+
+@cuda.jit
+def forward_steps(s_io, o_io, m_io, l_io, r0, c0, T, scale_log2):
+    # two row tiles (32 query rows r0.., 64 keys c0..): the causal mask where the tile reaches past a row
+    # tile's first row, then online_softmax; m_io (32,) per row, l_io (32, 4) the lanes' partial sums
+    lane = cuda.threadIdx.x
+    s, o = cuda.local.array(64, np.float32), cuda.local.array(64, np.float32)
+    m, l = cuda.local.array(4, np.float32), cuda.local.array(4, np.float32)
+    to_fragments(s, s_io, 2, lane)
+    to_fragments(o, o_io, 2, lane)
+    for r in range(4):
+        m[r], l[r] = m_io[8 * r + lane // 4], l_io[8 * r + lane // 4, lane % 4]
+    for i in range(2):
+        if c0 + fa.BC - 1 > r0 + 16 * i:
+            fa.causal_mask(s, i, r0 + 16 * i, c0, lane, T, False, fa.NEG)
+    fa.online_softmax(s, o, m, l, 2, scale_log2)
+    from_fragments(s_io, s, 2, lane)
+    from_fragments(o_io, o, 2, lane)
+    for r in range(4):
+        m_io[8 * r + lane // 4], l_io[8 * r + lane // 4, lane % 4] = m[r], l[r]
+
+
+@cuda.jit
+def backward_steps(s_io, dp_io, lse2, d, r0, c0, T, transposed, scale_log2):
+    # one row tile (16 rows r0.. x 64 columns c0..): P = exp(S - L), the causal mask (0), dS = P (dP - D);
+    # lse2 (log2 units) and d per row (16,), or per column (64,) when transposed
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    s, dp = cuda.local.array(32, np.float32), cuda.local.array(32, np.float32)
+    to_fragments(s, s_io, 1, lane)
+    to_fragments(dp, dp_io, 1, lane)
+    for j in range(8):
+        if transposed:
+            fa.recompute_p(s, 4 * j, lse2[8 * j + 2 * t], lse2[8 * j + 2 * t + 1], True, scale_log2)
+        else:
+            fa.recompute_p(s, 4 * j, lse2[g], lse2[g + 8], False, scale_log2)
+    fa.causal_mask(s, 0, r0, c0, lane, T, transposed, fa.ZERO_F)
+    for j in range(8):
+        if transposed:
+            fa.compute_ds(dp, s, 4 * j, d[8 * j + 2 * t], d[8 * j + 2 * t + 1], True)
+        else:
+            fa.compute_ds(dp, s, 4 * j, d[g], d[g + 8], False)
+    from_fragments(s_io, s, 1, lane)
+    from_fragments(dp_io, dp, 1, lane)
+
+
+@pytest.mark.parametrize("c0", [0, 64])
+def test_fragment_online_softmax_and_mask_match_numpy_per_row(fdev, rng, c0):
+    # rows 40..71 (two row tiles) against keys c0..c0+63: c0 = 64 cuts both row tiles along the diagonal,
+    # c0 = 0 is wholly at or before the rows (no mask); T = 72
+    r0, T, scale_log2 = 40, 72, np.float32(np.log2(np.e) / 8)
+    S = (rng.normal(size=(32, 64)) * 8).astype(np.float32)
+    O = rng.normal(size=(32, 64)).astype(np.float32)
+    m0 = (rng.normal(size=32) * 8).astype(np.float32)
+    l0 = rng.uniform(0.5, 2, size=(32, 4)).astype(np.float32)
+    s, o, m, l = S.copy(), O.copy(), m0.copy(), l0.copy()
+    forward_steps[1, 32](s, o, m, l, r0, c0, T, scale_log2)
+    keys, rows = c0 + np.arange(64)[None, :], r0 + np.arange(32)[:, None]
+    masked = np.where(keys > rows, -np.inf, S.astype(np.float64))
+    m_new = np.maximum(m0, masked.max(1))
+    alpha = np.exp2((m0 - m_new) * scale_log2)
+    p = np.exp2((masked - m_new[:, None]) * scale_log2)
+    # exp2 in float32 (the GPU's ex2.approx: 2 ulps); sums of 64 terms in float32
+    assert np.array_equal(m, m_new.astype(np.float32))
+    np.testing.assert_allclose(s, p, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(o, O * alpha[:, None], rtol=1e-5)
+    np.testing.assert_allclose(l.sum(1), alpha * l0.sum(1) + p.sum(1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fragment_p_recompute_mask_and_ds_match_numpy(fdev, rng, transposed):
+    # dq's orientation (rows queries 64..79, columns keys 70..133: the diagonal crosses the tile) and dk/dv's
+    # (rows keys 64..79, columns queries 70..133, T = 120: queries past T masked too)
+    r0, c0, T, scale_log2 = 64, 70, 120, np.float32(np.log2(np.e) / 8)
+    S, dP = (rng.normal(size=(16, 64)) * 8).astype(np.float32), rng.normal(size=(16, 64)).astype(np.float32)
+    n = 64 if transposed else 16
+    lse2, d = (rng.normal(size=n) * 8).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    s, dp = S.copy(), dP.copy()
+    backward_steps[1, 32](s, dp, lse2, d, r0, c0, T, transposed, scale_log2)
+    rows, cols = r0 + np.arange(16)[:, None], c0 + np.arange(64)[None, :]
+    L, D = (lse2[None, :], d[None, :]) if transposed else (lse2[:, None], d[:, None])
+    keep = (rows <= cols) & (cols < T) if transposed else cols <= rows
+    p = np.where(keep, np.exp2(S.astype(np.float64) * scale_log2 - L), 0.0)
+    assert np.all((s == 0) == ~keep)
+    np.testing.assert_allclose(s, p, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(dp, p * (dP - D), rtol=1e-5, atol=1e-6)
+
+
+# ---- the products at every head size and tile: llmz.fast's device functions, emulated warp-wide in NumPy ------
+def _emulated(smem, **constants):
+    """llmz.fast.flash_attention.compiled_with(**constants) with its device functions run as plain Python on
+    warp-wide values (each lane's register an array of the 32 lanes') and the PTX intrinsics emulated on the
+    shared words `smem` (the emulations above): the kernels' own fragment arithmetic, checkable without a GPU."""
+    mod = fa.compiled_with(**constants)
+    for name, obj in list(vars(mod).items()):
+        if hasattr(obj, "py_func"):                 # a cuda.jit function (a simulator or a GPU one)
+            setattr(mod, name, obj.py_func)
+
+    def ldmatrix(trans):
+        return lambda addr: tuple(_ldmatrix(smem, np.asarray(addr) // 4, trans).T)
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return tuple(_mma(np.stack([a0, a1, a2, a3], 1), np.stack([b0, b1], 1), np.stack([c0, c1, c2, c3], 1)).T)
+    mod.ldmatrix_x4, mod.ldmatrix_x4_trans, mod.mma, mod.pack_bf16x2 = ldmatrix(False), ldmatrix(True), mma, _pack
+    return mod
+
+
+@pytest.mark.parametrize("hs, bc, tiles", [(64, 64, 2), (32, 64, 2), (128, 32, 1), (64, 32, 1)])
+def test_fragment_products_make_qk_and_pv_at_every_head_size(rng, hs, bc, tiles):
+    # S = Q K^T (mma_a_bt, K's rows by ldmatrix) and O = P V (pack_a, then mma_a_b, V down its rows by ldmatrix
+    # .trans) for `tiles` row tiles of 16 queries, a streamed tile of bc keys, head size hs: the kernels'
+    # offsets and strides for every (HS, BC) they are compiled for, against NumPy's products
+    smem = np.zeros(2 * bc * (hs // 2 + 4), np.uint32)
+    f = _emulated(smem, HS=hs, BC=bc)
+    q, k, v = rand_bf16(rng, (16 * tiles, hs)), rand_bf16(rng, (bc, hs)), rand_bf16(rng, (bc, hs))
+    for tile, x in enumerate((k, v)):            # K's tile, then V's, rows of PAD words
+        smem.reshape(2, bc, f.PAD)[tile, :, :f.WORDS] = x.view(np.uint32)
+    lanes = np.arange(32)
+    g, t = lanes // 4, lanes % 4
+    qw = q.view(np.uint32)
+    a = np.zeros((f.A_HS * tiles, 32), np.uint32)   # Q's A fragments, as load_fragments lays them out
+    for i in range(tiles):
+        for kk in range(hs // 16):
+            for n, (r, c) in enumerate(((g, 0), (g + 8, 0), (g, 4), (g + 8, 4))):
+                a[f.A_HS * i + 4 * kk + n] = qw[16 * i + r, 8 * kk + c + t]
+    s = np.zeros((f.C_BC * tiles, 32))
+    f.mma_a_bt(s, a, f.rows_address(0, lanes), tiles)
+    p = rng.normal(size=s.shape)                # any P, in S's layout
+    pf = np.zeros((f.A_BC * tiles, 32), np.uint32)
+    f.pack_a(pf, p, tiles)
+    o = np.zeros((f.C_HS * tiles, 32))
+    f.mma_a_b(o, pf, f.trans_address(f.TILE_BYTES, lanes), tiles)
+    Q, K, V = (bf16_to_f32(x).astype(np.float64) for x in (q, k, v))
+    S = Q @ K.T
+    P = np.zeros(S.shape)
+    for i in range(tiles):                      # the P those registers hold: lane (g, t), rows g, g+8
+        for j in range(bc // 8):
+            for e in range(4):
+                r, c = 16 * i + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
+                np.testing.assert_allclose(s[f.C_BC * i + 4 * j + e], S[r, c], rtol=1e-12, atol=1e-12)
+                P[r, c] = bf16_to_f32(f32_to_bf16(p[f.C_BC * i + 4 * j + e])).astype(np.float64)
+    O = P @ V
+    for i in range(tiles):
+        for j in range(hs // 8):
+            for e in range(4):
+                r, c = 16 * i + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
+                np.testing.assert_allclose(o[f.C_HS * i + 4 * j + e], O[r, c], rtol=1e-12, atol=1e-12)
+
+
+def test_fallback_note_speaks_only_for_head_sizes_the_fast_kernels_do_not_cover():
+    # one line at start for bf16 --attention flash: none for GPT-2's head size 64 (d12..d48), a note for the
+    # sizes the teaching kernels take (small's 32), the refusal's text past what those hold (128)
+    assert fa.fast_flash_covers(64) and fa.fallback_note(64) is None
+    for hs in (32, 128):
+        note = fa.fallback_note(hs)
+        assert not fa.fast_flash_covers(hs) and f"head size {hs}" in note and "\n" not in note
+    assert fa.fallback_note(32).startswith("note:") and "--attention gemm" in fa.fallback_note(128)

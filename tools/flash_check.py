@@ -120,8 +120,10 @@ def reference(inp, dout, NH, dinp0=None):
     return out, lse, dinp
 
 
-def compare(section, what, got, want, C, dinp0=None):
-    """got: (out bits, lse, dinp bits); want: float64. Checks each against TOL; returns the errors."""
+def errors(got, want, C, dinp0=None):
+    """got: (out bits, lse, dinp bits); want: float64 (out, lse, dinp). The norm-wise relative errors of out,
+    dq, dk, dv (of what was added, when accumulating onto dinp0), the max |lse error|, and whether every
+    value is finite: (errors, finite)."""
     from llmz.bf16 import bf16_to_f32
     out, lse, dinp = got
     errs = {"out": rel(bf16_to_f32(out), want[0]), "lse": float(np.max(np.abs(lse - want[1])))}
@@ -136,7 +138,13 @@ def compare(section, what, got, want, C, dinp0=None):
         # the one softmax weight is 1, so dq = dk = 0 exactly, and bf16 rounding leaves ~1e-7 there)
         x, y = d[..., i * C:(i + 1) * C], w[..., i * C:(i + 1) * C]
         errs[part] = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), scale))
-    finite = all(np.all(np.isfinite(bf16_to_f32(x))) for x in (out, dinp)) and np.all(np.isfinite(lse))
+    finite = all(np.all(np.isfinite(bf16_to_f32(x))) for x in (out, dinp)) and bool(np.all(np.isfinite(lse)))
+    return errs, finite
+
+
+def compare(section, what, got, want, C, dinp0=None):
+    """got: (out bits, lse, dinp bits); want: float64. Checks each against TOL; returns the errors."""
+    errs, finite = errors(got, want, C, dinp0)
     ok = finite and all(errs[k] < TOL[k] for k in errs)
     record(section, what, ok, ", ".join(f"{k} {v:.2e}" for k, v in errs.items()) + ("" if finite else " NON-FINITE"))
     return errs
@@ -189,16 +197,37 @@ def check_edges(fast):
 
 # ---- (c) speed ---------------------------------------------------------------------------------------
 def time_ms(dev, fn, reps=10):
-    import cupy
+    """Milliseconds a call (CUDA events around `reps` calls queued while the GPU waits), after one warm-up."""
+    from llmz.bench_layers import time_ms as events_ms
     fn()
-    dev.synchronize()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record(dev.compute_stream.cupy)
-    for _ in range(reps):
+    return events_ms(dev, fn, reps)
+
+
+def time_sdpa(B, T, NH, hs):
+    """(name, forward ms, backward ms) of PyTorch's causal SDPA on bf16 (B, NH, T, hs) q, k, v, or None
+    without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        print("torch not importable: no SDPA timing")
+        return None
+    q, k, v = (torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16)
+
+    def tm(fn, reps=10):
         fn()
-    e1.record(dev.compute_stream.cupy)
-    e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / reps
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / reps
+    fwd = tm(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    both = tm(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g))
+    return f"torch {torch.__version__} SDPA (bf16)", fwd, both - fwd
 
 
 TIMES = {}
@@ -234,29 +263,9 @@ def check_speed(fast):
         report("gemm path (cuBLAS + softmax kernels, bf16)", fwd, bwd)
     except Exception as e:  # noqa: BLE001
         record("c speed", "gemm path", False, f"{type(e).__name__}: {e}")
-    try:
-        import torch
-        import torch.nn.functional as F
-        q, k, v = (torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        g = torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16)
-
-        def tm(fn, reps=10):
-            fn()
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(reps):
-                fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e) / reps
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        fwd = tm(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        both = tm(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g))
-        report(f"torch {torch.__version__} SDPA (bf16)", fwd, both - fwd)
-        del y
-    except ImportError:
-        print("torch not importable: no SDPA timing")
+    sdpa = time_sdpa(B, T, NH, hs)
+    if sdpa:
+        report(*sdpa)
 
 
 def summary():

@@ -138,10 +138,10 @@ def ldmatrix_trans_lane(lane, pad):
     return (lane % 8 + 8 * (lane // 8 % 2)) * pad + 4 * (lane // 16)
 
 
-def tile_copy_chunk(tid, i, nthreads):
-    """(row, chunk): the 16-byte chunk of a 64-row tile (8 chunks a row) that thread tid copies in its
-    i-th pass (nthreads threads, 512 // nthreads passes): 8 neighbouring threads read one row's 128 bytes."""
-    return tid // 8 + (nthreads // 8) * i, tid % 8
+def tile_copy_chunk(tid, i, nthreads, chunks=8):
+    """(row, chunk): the 16-byte chunk of a tile (`chunks` chunks a row: 8 for a head of 64 bf16) that thread
+    tid copies in its i-th pass (nthreads threads): `chunks` neighbouring threads read one row's bytes."""
+    return tid // chunks + (nthreads // chunks) * i, tid % chunks
 
 
 @intrinsic
@@ -289,7 +289,7 @@ def tile_probe_kernel(tile, floats, ldm, ldm_t, v4, x, f, T):
     cuda.syncthreads()
     base, fbase = shared_address(s, 0), shared_address(sf, 0)
     for i in range(4):
-        r, c = _copy_chunk(tid, i, 128)
+        r, c = _copy_chunk(tid, i, 128, 8)
         ok = r < T
         cp_async16(base + 4 * (r * PROBE_PAD + 4 * c), x, (r if ok else 0) * 32 + 4 * c, 16 if ok else 0)
     if tid < 64:
