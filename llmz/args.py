@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from . import files
-from .checkpoint import model_config
+from .checkpoint import model_config, model_header
 from .config import PRESETS, TrainConfig, default_model, preset
 from .data import find_token_files, token_count
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, kernel_paths
@@ -30,6 +30,7 @@ from .files import fmt_bytes, prepare_folder, prepare_output
 from .layout import Layout
 from .memory import activation_elements, predicted
 from .precision import PRECISIONS
+from .sample import window
 from .state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
 from .tokenizer import load_tokenizer as load_any_tokenizer
 from .tokenizer import start_id
@@ -347,7 +348,7 @@ def _check_sample(args, kind: str):
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
     # memory: the file's values, their copy in llmz's layout, the device's copy (cpu, sim), activations of B=1
-    T = args.seq_len or min(cfg.max_seq_len, 256)
+    T = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])[0]
     fits_in_memory((8 if kind == "gpu" else 12) * cfg.num_parameters() + 8 * sum(activation_elements(cfg, 1, T)),
                    f"--init-from {args.init_from}: sampling from this model (L={cfg.num_layers} C={cfg.channels} "
                    f"V={cfg.vocab_size} maxT={cfg.max_seq_len})")

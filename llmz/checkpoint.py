@@ -5,6 +5,11 @@ Model file: a header of 256 int32 ([0]=20240326 magic, [1]=3 for fp32 or 5 for b
 parameter tensor by tensor in llm.c's order (Layout.llmc_order): wte (Vp, C) with rows >= V zero, wpe,
 then each per-layer tensor for all layers together, ..., lnfw, lnfb. Weights are (out, in).
 
+llmz adds one field: [8] = the sequence length T the model was trained at (0: not known). llm.c's readers
+(train_gpt2.c, train_gpt2.cu, dev/eval/export_hf.py) read [0]..[7] only and its writers leave [8]..[255]
+zero, so the files stay llm.c's. llmz.sample samples with a window of that length by default: positions
+past it were never trained.
+
 Models live in memory in llmz's bucket layout (llmz.layout); `Layout.to_llmc` / `Layout.from_llmc`
 convert between that and the file's order.
 """
@@ -22,32 +27,45 @@ from .layout import Layout
 MODEL_MAGIC = 20240326
 MODEL_VERSIONS = {3: "fp32", 5: "bf16"}
 VERSION_OF = {"fp32": 3, "bf16": 5}
+TRAINED_SEQ_LEN_SLOT = 8            # header slot of the trained T (llmz's; llm.c reads [0]..[7] only)
 
 
 # ---- model files ---------------------------------------------------------------------------------------------
 def save_model(path: str, config: GPT2Config, params_flat: np.ndarray, layout: Layout,
-               dtype: str = "fp32") -> None:
+               dtype: str = "fp32", seq_len: int = 0) -> None:
     """Write the parameters (a full flat host buffer in `layout`'s bucket order) as an llm.c model file,
-    atomically. dtype 'fp32' (version 3) or 'bf16' (version 5, round to nearest even)."""
-    if dtype not in VERSION_OF:
-        raise LlmzError(f"{path}: unknown model dtype {dtype!r}; choose fp32 or bf16")
+    atomically. dtype 'fp32' (version 3) or 'bf16' (version 5, round to nearest even). seq_len: the T the
+    model was trained at, recorded in header slot 8 (0: not known)."""
     if layout.config != config:
         raise LlmzError(f"{path}: the layout is for {layout.config}, not {config}")
     params_flat = np.asarray(params_flat)
     if params_flat.shape != (layout.total,):
         raise LlmzError(f"{path}: parameter buffer has shape {params_flat.shape}, the layout needs ({layout.total},)")
+    save_llmc(path, config, layout.to_llmc(params_flat), dtype, seq_len)
+
+
+def save_llmc(path: str, config: GPT2Config, llmc: np.ndarray, dtype: str = "fp32", seq_len: int = 0) -> None:
+    """Write parameters already in llm.c's order (a flat buffer of config.num_parameters() values) as an
+    llm.c model file, atomically; dtype and seq_len as in save_model."""
+    if dtype not in VERSION_OF:
+        raise LlmzError(f"{path}: unknown model dtype {dtype!r}; choose fp32 or bf16")
+    if not 0 <= seq_len <= config.max_seq_len:
+        raise LlmzError(f"{path}: trained sequence length {seq_len} is outside 0..maxT={config.max_seq_len}")
+    if llmc.shape != (config.num_parameters(),):
+        raise LlmzError(f"{path}: {llmc.shape} parameters, the model needs ({config.num_parameters()},)")
     c = config
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:8] = (MODEL_MAGIC, VERSION_OF[dtype], c.max_seq_len, c.vocab_size, c.num_layers,
                   c.num_heads, c.channels, c.padded_vocab_size)
-    llmc = layout.to_llmc(params_flat).astype(np.float32)
+    header[TRAINED_SEQ_LEN_SLOT] = seq_len
+    llmc = np.asarray(llmc, dtype=np.float32)
     body = llmc.astype("<f4") if dtype == "fp32" else f32_to_bf16(llmc).astype("<u2")
     atomic_write(path, [header, body])
 
 
 def _open_model(path: str):
     """Open a model file and check its header against its size -> (file positioned at the parameters,
-    config, version). Nothing of the payload is read."""
+    config, version, trained T or 0). Nothing of the payload is read."""
     f, raw, size = read_header(path, "model file")
     try:
         header = check_header(path, raw, MODEL_MAGIC, "an llm.c model file")
@@ -63,17 +81,26 @@ def _open_model(path: str):
         itemsize = 4 if version == 3 else 2
         check_size(path, size, HEADER_BYTES + itemsize * config.num_parameters(),
                    f"a {MODEL_VERSIONS[version]} model with L={L} C={C} NH={NH} V={V} Vp={Vp} maxT={maxT}")
+        # a value no llmz run can have written (another tool's use of the slot) means: not known
+        seq_len = int(header[TRAINED_SEQ_LEN_SLOT])
+        seq_len = seq_len if 0 < seq_len <= maxT else 0
     except BaseException:
         f.close()
         raise
-    return f, config, version
+    return f, config, version, seq_len
 
 
 def model_config(path: str) -> GPT2Config:
     """The config of an llm.c model file, from its header checked against its size (reads no parameter)."""
-    f, config, _ = _open_model(path)
+    return model_header(path)[0]
+
+
+def model_header(path: str) -> tuple[GPT2Config, str, int]:
+    """(config, 'fp32' or 'bf16', the T it was trained at or 0 when the file does not say) of an llm.c model
+    file, from its header checked against its size (reads no parameter)."""
+    f, config, version, seq_len = _open_model(path)
     f.close()
-    return config
+    return config, MODEL_VERSIONS[version], seq_len
 
 
 def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
@@ -81,7 +108,7 @@ def load_model(path: str) -> tuple[GPT2Config, np.ndarray]:
     kept as read. Use `Layout(config, world_size).from_llmc(...)` (or load_model_flat) for llmz's layout.
     The header and the size it implies are checked before a byte of the parameters is read; a model with a
     NaN or an infinity anywhere is refused (nothing can be trained or sampled from it)."""
-    f, config, version = _open_model(path)
+    f, config, version, _ = _open_model(path)
     with f:
         nparams = config.num_parameters()
         if version == 3:

@@ -129,7 +129,7 @@ class Checkpoints:
         host = run.host_params()
         if self.rank == 0:
             checkpoint.save_model(os.path.join(folder, state.MODEL_FILE), run.config, host, run.layout,
-                       dtype=run.precision.model_file)
+                                  dtype=run.precision.model_file, seq_len=cfg.seq_len)
         meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
                 "zero_stage": cfg.zero_stage, "precision": cfg.precision,
                 "config": run.config.to_dict(), "flags": resume_flags(cfg),
@@ -151,7 +151,8 @@ class Checkpoints:
         run.guards.refuse_non_finite(step, f"--save {path}", self.last)
         host = run.host_params()
         if self.rank == 0:
-            checkpoint.save_model(path, run.config, host, run.layout, dtype=run.precision.model_file)
+            checkpoint.save_model(path, run.config, host, run.layout, dtype=run.precision.model_file,
+                                  seq_len=self.cfg.seq_len)
 
     def forget(self, step: int) -> str:
         """The run stopped at `step` because of what the parameters after `step` updates gave: if this run

@@ -24,7 +24,9 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from llmz.environment import lone_rank_line
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
+from llmz.threads import share_cores
 
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
@@ -65,11 +67,14 @@ def init_ranks() -> RankInfo:
     rank, size = world.Get_rank(), world.Get_size()
     hostname = MPI.Get_processor_name()
     if size == 1:
+        if _launcher_world_size() > 1:              # another MPI's mpiexec: each rank alone in its world
+            raise LlmzError(lone_rank_line(_launcher_world_size(), MPI.Get_library_version()))
         return RankInfo(0, 1, 0, 1, hostname)
     # local rank: how many ranks before me share my host (llm.c gathers hostname hashes the same way)
     hosts = world.allgather(hostname)
     local_rank = sum(1 for h in hosts[:rank] if h == hostname)
     local_size = sum(1 for h in hosts if h == hostname)
+    share_cores(local_size)             # one BLAS pool per rank, sized to the cores this host's ranks share
     return RankInfo(rank, size, local_rank, local_size, hostname)
 
 

@@ -74,9 +74,7 @@ def describe(start: dict) -> str:
 def read_log(path: str) -> RunLog:
     """Parse one --log file; an unreadable or malformed one raises LlmzError naming the file and line."""
     if not os.path.exists(path):
-        hint = f" ({path}.tmp exists: the run is still going or stopped early; plot that)" \
-            if os.path.exists(path + ".tmp") else ""
-        raise LlmzError(f"{path}: no such file{hint}")
+        raise LlmzError(f"{path}: no such file")
     if not os.path.isfile(path):
         raise LlmzError(f"{path}: not a regular file")
     try:
@@ -235,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m llmz.plot", description="Plot the training curves of one or more `python -m llmz.train --log FILE.jsonl` runs into "
         "one figure: train and val loss, gradient norm, learning rate, tokens/s; each run one colour.")
-    p.add_argument("logs", nargs="+", metavar="LOG.jsonl", help="--log files of `python -m llmz.train`, one run each (a run still going "
-                   "writes LOG.jsonl.tmp: plot that)")
+    p.add_argument("logs", nargs="+", metavar="LOG.jsonl", help="--log files of `python -m llmz.train`, one run each (a "
+                   "run still going writes its log under its own name, record by record: plot it any time)")
     p.add_argument("-o", "--out", default="curves.png", metavar="FILE",
                    help=f"the figure to write: {', '.join(FORMATS)}, from the extension; its folder is created "
                    "(default curves.png)")

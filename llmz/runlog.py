@@ -13,6 +13,7 @@ report. MFU is llm.c's: 6 * parameters + 6 * L * C * T flops per token against t
 """
 from __future__ import annotations
 
+from . import threads
 from .files import JsonLog
 from .memory import table
 from .progress import Progress, fmt_duration
@@ -58,7 +59,7 @@ class RunLog:
         """The run's first lines (device, model, batch, memory, notes) and the log's start record."""
         run, cfg, ranks, c, d = self.run, self.cfg, self.ranks, self.run.config, self.run.dev
         self.say(f"llmz: {d.kind} {cfg.precision}, {d.describe()}, {ranks.world_size} rank(s), comm "
-                 f"{run.comm.name}, ZeRO stage {cfg.zero_stage}")
+                 f"{run.comm.name}, ZeRO stage {cfg.zero_stage}; {threads.note(ranks.local_size)}")
         self.say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} "
                  f"Vp={c.padded_vocab_size} maxT={c.max_seq_len}: {c.num_parameters():,} parameters")
         self.say(f"batch: B={cfg.batch_size} T={cfg.seq_len} K={cfg.grad_accum} x {ranks.world_size} ranks = "

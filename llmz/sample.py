@@ -14,6 +14,8 @@ import numpy as np
 from .bf16 import bf16_to_f32
 from .device import KERNEL_SETS, KINDS, resolve
 
+UNKNOWN_WINDOW_MAX = 256        # the default window of a model file that does not say its trained T
+
 
 def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0,
              vocab: int | None = None, on_token=None) -> list[int]:
@@ -49,6 +51,22 @@ def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperatu
     return ids if prompt_ids else ids[start:]
 
 
+def window(seq_len: int | None, max_seq_len: int, trained: int) -> tuple[int, str]:
+    """The window T a sample runs with, and the words that say why: --seq-len when given, else the T the model
+    was trained at (positions past it were never trained: text there is noise), else maxT up to
+    UNKNOWN_WINDOW_MAX (each token runs the whole window forward)."""
+    if seq_len:
+        why = "as --seq-len asks"
+        if trained and seq_len > trained:
+            why += f"; the model was trained at T={trained}, positions past it were never trained"
+        return seq_len, why
+    if trained:
+        return trained, "the length the model was trained at"
+    T = min(max_seq_len, UNKNOWN_WINDOW_MAX)
+    return T, ("the model file does not say the length it was trained at: its maxT" +
+               (f", at most {UNKNOWN_WINDOW_MAX}" if T < max_seq_len else "") + "; --seq-len to change")
+
+
 def build_parser():
     from .args import Parser
     p = Parser(prog="python -m llmz.sample", description=__doc__.splitlines()[0])
@@ -64,8 +82,9 @@ def build_parser():
       "there is one")
     a("--kernels", choices=KERNEL_SETS, default="auto", help="fast (llmz/fast/) or teaching (llmz/kernels/); "
       "auto: fast on a GPU, teaching elsewhere")
-    a("--seq-len", type=int, default=None, help="the window the model sees (default: the model's maxT, at "
-      "most 256)")
+    a("--seq-len", type=int, default=None, help="the window the model sees (default: the length the model "
+      "was trained at, which llmz records in the model file; for a file that does not say, its maxT, at most "
+      f"{UNKNOWN_WINDOW_MAX})")
     a("--temperature", type=float, default=1.0, help="divides the logits; 0 = always the most likely token")
     a("--seed", type=int, default=0, help="the sampling RNG's seed (0 .. 2^32-1)")
     return p
@@ -82,7 +101,7 @@ def main(argv=None) -> int:
         except (ValueError, RuntimeError) as e:
             raise UsageError(str(e)) from None
         cfg, tok, prompt_ids = check_sample(args, kind)
-        from .checkpoint import load_model
+        from .checkpoint import load_model, model_header
         from .device import Device
         from .layout import Layout
         from .model import GPT2, FullParams
@@ -90,10 +109,11 @@ def main(argv=None) -> int:
         from .tokenizer import TextStream
         with before_any_work():                 # found wrong while reading it: status 2
             _, llmc = load_model(args.init_from)
+            T, why = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])
+        print(f"sampling with a window of T={T}, {why}", file=sys.stderr, flush=True)
         layout = Layout(cfg, 1)
         dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)
-        T = args.seq_len or min(cfg.max_seq_len, 256)
         model = GPT2(cfg, dev, 1, T)
         vocab = min(cfg.vocab_size, tok.vocab_size)
         if vocab < cfg.vocab_size:

@@ -1,5 +1,6 @@
 """Test setup. Without a GPU the Numba kernels run in the CUDA simulator, which must be switched on
 before numba is first imported, so this happens here, at collection time."""
+import collections
 import os
 import sys
 import zlib
@@ -14,14 +15,56 @@ if not HAVE_GPU:
 import numpy as np
 import pytest
 
+# The quick suite (`python -m pytest -q -m quick`, about a minute on 2 cores): every layer's teaching kernels
+# against their NumPy reference, the whole model's kernels (both sets) against the reference model, the
+# reference model against finite differences, each ZeRO stage against the others under mpiexec, the file
+# formats, a training run, and the commands around them. tests/test_suite.py checks that each name exists.
+QUICK = [
+    "tests/test_encoder.py::test_encoder_forward_kernel_matches_reference",
+    "tests/test_encoder.py::test_encoder_backward_kernel_matches_reference_and_accumulates",
+    "tests/test_layernorm.py::test_layernorm_forward_kernel_matches_reference[shape0]",
+    "tests/test_layernorm.py::test_layernorm_backward_kernel_matches_reference_and_accumulates[shape0]",
+    "tests/test_matmul.py::test_matmul_forward_kernel_matches_reference[True]",
+    "tests/test_matmul.py::test_matmul_backward_kernel_matches_reference_and_accumulates[True]",
+    "tests/test_gemm.py::test_gemm_tiled_kernel_matches_numpy_for_every_transpose[True-False]",
+    "tests/test_attention.py::test_attention_forward_kernel_matches_reference",
+    "tests/test_attention.py::test_attention_backward_kernel_matches_reference_and_overwrites_scratch",
+    "tests/test_flash_attention.py::test_flash_kernels_match_reference[17]",
+    "tests/test_gelu.py::test_gelu_forward_kernel_matches_reference",
+    "tests/test_gelu.py::test_gelu_backward_kernel_matches_reference_and_accumulates",
+    "tests/test_residual.py::test_residual_forward_kernel_matches_reference",
+    "tests/test_residual.py::test_residual_backward_kernel_matches_reference_and_accumulates",
+    "tests/test_classifier.py::test_classifier_forward_kernel_matches_reference[float32-1e-06]",
+    "tests/test_classifier.py::test_classifier_backward_kernel_matches_reference",
+    "tests/test_adamw.py::test_adamw_kernel_matches_reference_over_steps[float32-1e-06]",
+    "tests/test_norm.py::test_norm_squared_kernel_matches_float64_sum[float32-1007]",
+    "tests/test_accumulate.py::test_accumulate_shard_kernel_adds_my_part_and_zeroes_slot[2-1-float32]",
+    "tests/test_fill.py::test_fill_kernel_writes_every_element[float32]",
+    "tests/test_bf16.py::test_to_bf16_kernel_matches_reference_bit_for_bit[stochastic]",
+    "tests/test_model.py::test_model_reference_backward_matches_finite_differences",
+    "tests/test_model.py::test_model_kernels_match_reference_logits_loss_and_every_gradient[teaching]",
+    "tests/test_model.py::test_model_kernels_match_reference_logits_loss_and_every_gradient[fast]",
+    "tests/test_zero.py::test_stages_agree_with_each_other[2]",
+    "tests/test_zero3.py::test_stage3_is_stage2_bit_for_bit",
+    "tests/test_files.py::test_fp32_model_file_round_trips_bit_exactly_in_llmc_order[1]",
+    "tests/test_files.py::test_token_file_round_trips_with_llmc_header_and_exact_size",
+    "tests/test_data.py::test_rank_r_micro_batch_i_starts_at_llmc_offset_and_wraps_after_n",
+    "tests/test_train.py::test_tiny_model_overfits_one_batch",
+    "tests/test_sample_window.py::test_sample_states_its_window_first_and_seq_len_overrides_it",
+    "tests/test_prepare.py::test_files_decode_back_to_the_text_with_the_last_share_held_out_at_a_line_start",
+    "tests/test_convert.py::test_llmc_to_hf_to_llmc_gives_back_the_same_bytes[fp32]",
+    "tests/test_doctor.py::test_doctor_fits_a_screen_names_every_part_and_exits_0_where_the_cpu_path_works",
+]
+GPU_SKIP = "needs a CUDA GPU (CuPy sees none)"
+
 
 def pytest_collection_modifyitems(config, items):
-    if HAVE_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy sees none)")
+    quick = set(QUICK)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.nodeid in quick:
+            item.add_marker(pytest.mark.quick)
+        if "gpu" in item.keywords and not HAVE_GPU:
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
 
 
 # Fresh random inputs on every run, reproducible: one seed a session (printed in pytest's header; set
@@ -33,9 +76,25 @@ def pytest_report_header(config):
     return f"llmz: random test inputs from LLMZ_TEST_SEED={SESSION_SEED} (set it to rerun these inputs)"
 
 
+def skip_reason(report) -> str:
+    """The reason a test (or a whole module, at collection) was skipped, as pytest's -rs would print it."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):     # shown under -q too
+    """Under -q too: the seed to rerun a failure; the skips in one line, counted by reason (setup.cfg's -rfE
+    lists failures and errors one by one, but not the GPU tests every machine without a GPU skips)."""
+    stats = terminalreporter.stats
+    if stats.get("failed") or stats.get("error"):
         terminalreporter.write_line(f"rerun these inputs: LLMZ_TEST_SEED={SESSION_SEED} python -m pytest ...")
+    reasons = collections.Counter(skip_reason(r) for r in stats.get("skipped", []))
+    if reasons:
+        gpu = reasons.pop(GPU_SKIP, 0)
+        parts = [f"{gpu} need a CUDA GPU (python -m pytest -q -m gpu -s on a machine with one)"] if gpu else []
+        parts += [f"{n} {reason}" for reason, n in sorted(reasons.items())]
+        terminalreporter.write_line("skipped: " + "; ".join(parts))
 
 
 @pytest.fixture
