@@ -31,7 +31,7 @@ from llmz.args import check_kernels, check_train, parse_lesson
 from llmz.config import TrainConfig
 from llmz.device import resolve
 from llmz.errors import UsageError
-from llmz.launch import RankInfo, abort_on_error, agree, init_ranks
+from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
 from llmz.memory import fmt_bytes
 from llmz.trace import save_png
 
@@ -237,12 +237,8 @@ def same_bits(ranks, run, other) -> list[bool]:
 
 # ---- across ranks -----------------------------------------------------------------------------------------
 def gather(ranks, obj) -> list:
-    """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients).
-    (mpi4py is imported only here: importing it starts MPI.)"""
-    if ranks.world_size == 1:
-        return [obj]
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.allgather(obj)
+    """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
+    return allgather(ranks, obj)                # under the collective watchdog (llmz.watchdog)
 
 
 def params_hash(run) -> str:

@@ -30,7 +30,7 @@ from .files import fmt_bytes, prepare_folder, prepare_output
 from .layout import Layout
 from .memory import activation_elements, predicted
 from .precision import PRECISIONS
-from .sample import window
+from .sample import MAX_TOKENS, window
 from .state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
 from .tokenizer import load_tokenizer as load_any_tokenizer
 from .tokenizer import start_id
@@ -230,6 +230,8 @@ def check_train_numbers(cfg: TrainConfig) -> None:
              "max_loss")
     non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
                  "keep", "lr", "weight_decay", "grad_clip")
+    need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
+    positive(cfg, "collective_timeout")
     need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
     check_seed(cfg)
@@ -339,6 +341,7 @@ def check_sample(args, kind: str = "cpu"):
 def _check_sample(args, kind: str):
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
+    need(args, ["tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
     check_seed(args)
     check_kernels(args, kind)
     try:

@@ -30,8 +30,9 @@ def resume_flags(cfg: TrainConfig) -> dict:
     return {k: getattr(cfg, k) for k in RESUME_FLAGS}
 
 
-def find(cfg: TrainConfig, notes: list[str]):
-    """The checkpoint --resume names (a llmz.state.Checkpoint: every rank reads every state file), or None."""
+def find(cfg: TrainConfig, ranks, notes: list[str]):
+    """The checkpoint --resume names (a llmz.state.Checkpoint: every rank reads every state file, and the
+    ranks agree on the outcome), or None."""
     if not cfg.resume:
         return None
     path = cfg.resume
@@ -42,7 +43,7 @@ def find(cfg: TrainConfig, notes: list[str]):
             return None
     if cfg.init_from:     # `--init-from F --resume --checkpoint-dir D`: one command for launch and relaunch
         notes.append(f"resume: {path} found, so --init-from {cfg.init_from} is not used")
-    return state.load_checkpoint(path)
+    return state.load_checkpoint_agreed(path, ranks)
 
 
 def start(cfg: TrainConfig, kind: str, tok, world_size: int,
@@ -134,12 +135,12 @@ class Checkpoints:
                 "zero_stage": cfg.zero_stage, "precision": cfg.precision,
                 "config": run.config.to_dict(), "flags": resume_flags(cfg),
                 "data": run.train_loader.state(), "rng": run.sampler.rng.bit_generator.state,
-                "buckets": state.shard_table(run.layout, self.rank)}
+                "buckets": state.shard_table(run.layout, self.rank), "run_id": run.run_id}
         state.write_state(state.state_path(folder, self.rank), meta, run.zero.state_slices(host))
         run.comm.barrier()                    # every rank's file is in place
         if self.rank == 0:
             state.write_done(folder, {"step": step, "world_size": self.world_size,
-                                      "zero_stage": cfg.zero_stage})
+                                      "zero_stage": cfg.zero_stage, "run_id": run.run_id})
             if cfg.keep:
                 state.prune(root, cfg.keep, newest=step)
         self.last = folder

@@ -8,6 +8,9 @@ One interface, three backends (`make_communicator` picks one):
   mpi    mpi4py on host memory. NumPy buffers (cpu, sim) go to MPI directly. CuPy buffers are staged:
          synchronise the whole device, copy to the host, MPI, copy back, synchronise again. That round trip
          through the host, which stalls both streams, is exactly the cost NCCL exists to remove.
+Every collective has a deadline, --collective-timeout (llmz.watchdog): MPI's are its non-blocking calls
+waited on with the deadline; NCCL's are watched by a thread on the host through events, and a CUDA graph's
+replay is watched as one operation (`after_graph`).
   local  one rank: every collective is the identity (a sum or an average over one rank), so a single
          process needs no MPI at run time. Calls are still counted.
 
@@ -36,7 +39,8 @@ import numpy as np
 
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
 from llmz.errors import LlmzError
-from llmz.launch import RankInfo
+from llmz.launch import AgreedError, RankInfo, allgather
+from llmz.watchdog import NcclWatchdog, Watch
 
 COMM_KINDS = ("auto", "nccl", "mpi")
 OPS = ("sum", "avg")
@@ -89,6 +93,7 @@ class Communicator:
         self.rank = ranks.rank
         self.world_size = ranks.world_size
         self.dev = dev                  # where buffers live (None: NumPy buffers only)
+        self.watch = ranks.watch or Watch()     # the deadline and the collectives' sequence numbers
         self.bytes_sent = 0
         self.calls: Counter[str] = Counter()
 
@@ -97,11 +102,13 @@ class Communicator:
         """In place: every rank ends with the sum / average of every rank's buf, the same bits on all."""
         self._count("all_reduce", _flat_contiguous(buf), 2)
         self._all_reduce(buf, _check_op(op))
+        self._after("all_reduce")
 
     def reduce_scatter(self, buf, op: str = "avg") -> None:
         """In place: rank r's reduced slice at buf[r*n:(r+1)*n], n = buf.size / N; the rest undefined."""
         self._count("reduce_scatter", self._divisible(buf), 1)
         self._reduce_scatter(buf, _check_op(op))
+        self._after("reduce_scatter")
 
     def all_gather(self, buf, src=None) -> None:
         """In place: rank r contributes buf[r*n:(r+1)*n], or src (n elements) when given; every rank ends
@@ -112,6 +119,7 @@ class Communicator:
                              f"on {self.world_size} ranks")
         self._count("all_gather", nbytes, 1)
         self._all_gather(buf, src)
+        self._after("all_gather")
 
     def broadcast(self, buf, root: int = 0) -> None:
         """In place: every rank ends with root's buf."""
@@ -119,6 +127,7 @@ class Communicator:
             raise ValueError(f"broadcast root {root} outside 0..{self.world_size - 1}")
         self._count("broadcast", _flat_contiguous(buf), 1)
         self._broadcast(buf, root)
+        self._after("broadcast")
 
     def barrier(self) -> None:
         self.calls["barrier"] += 1
@@ -127,6 +136,10 @@ class Communicator:
     def group(self):
         """Context manager around several calls that the backend may fuse (NCCL group); a no-op elsewhere."""
         return contextlib.nullcontext()
+
+    def after_graph(self, name: str) -> None:
+        """A CUDA graph holding collectives was just launched on the compute stream: NCCL watches its replay
+        as one operation (llmz.graph calls this; the collectives inside it are not seen one by one)."""
 
     def place(self, buf, src) -> None:
         """Copy src into this rank's slice of buf (n = buf.size / N elements), on the comm stream when buf is
@@ -158,6 +171,9 @@ class Communicator:
         return nbytes
 
     # ---- one rank: the identity ---------------------------------------------------------------------
+    def _after(self, op: str) -> None:
+        """After collective `op` is issued (NCCL: enqueued): what the backend's watchdog needs."""
+
     def _all_reduce(self, buf, op: str) -> None:
         pass
 
@@ -184,7 +200,8 @@ class LocalCommunicator(Communicator):
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py, synchronous on the host. CuPy buffers go through host copies (see the module docstring)."""
+    """mpi4py on the host: each collective a non-blocking call, waited on within the deadline (llmz.watchdog).
+    CuPy buffers go through host copies (see the module docstring)."""
     name = "mpi"
 
     def __init__(self, ranks: RankInfo, dev):
@@ -216,39 +233,43 @@ class MpiCommunicator(Communicator):
             buf.set(host, stream=self.dev.comm_stream.cupy)
             self.dev.comm_stream.synchronize()      # host memory must outlive the copy
 
-    def _reduce_scatter_host(self, h: np.ndarray, counts: list[int], displs: list[int], op: str) -> None:
+    def _reduce_scatter_host(self, h: np.ndarray, counts: list[int], displs: list[int], op: str, what: str) -> None:
         """Sum (then average) rank r's piece of h into h[displs[r]:...]: computed once, by its owner."""
         MPI, r = self.MPI, self.rank
-        self.world.Reduce_scatter(MPI.IN_PLACE, h, counts, MPI.SUM)    # MPI leaves r's piece at h[:counts[r]]
+        # MPI leaves r's piece at h[:counts[r]]
+        self.watch.wait(what, self.world.Ireduce_scatter(MPI.IN_PLACE, h, counts, MPI.SUM))
         mine = h[:counts[r]]
         if op == "avg":
             mine /= self.world_size
         h[displs[r]:displs[r] + counts[r]] = mine                       # move it to its own place
 
+    def _all_gather_host(self, h: np.ndarray, counts: list[int], displs: list[int], what: str) -> None:
+        self.watch.wait(what, self.world.Iallgatherv(self.MPI.IN_PLACE, [h, (counts, displs)]))
+
     def _all_reduce(self, buf, op: str) -> None:
         with self._on_host(buf, arith=True) as h:
             counts, displs = split_counts(h.size, self.world_size)
-            self._reduce_scatter_host(h, counts, displs, op)
-            self.world.Allgatherv(self.MPI.IN_PLACE, [h, (counts, displs)])
+            self._reduce_scatter_host(h, counts, displs, op, "all_reduce")
+            self._all_gather_host(h, counts, displs, "all_reduce")
 
     def _reduce_scatter(self, buf, op: str) -> None:
         with self._on_host(buf, arith=True) as h:
             counts, displs = split_counts(h.size, self.world_size)
-            self._reduce_scatter_host(h, counts, displs, op)
+            self._reduce_scatter_host(h, counts, displs, op, "reduce_scatter")
 
     def _all_gather(self, buf, src) -> None:
         if src is not None:
             self.place(buf, src)
         with self._on_host(buf, arith=False) as h:
             counts, displs = split_counts(h.size, self.world_size)
-            self.world.Allgatherv(self.MPI.IN_PLACE, [h, (counts, displs)])
+            self._all_gather_host(h, counts, displs, "all_gather")
 
     def _broadcast(self, buf, root: int) -> None:
         with self._on_host(buf, arith=False) as h:
-            self.world.Bcast(h, root=root)
+            self.watch.wait("broadcast", self.world.Ibcast(h, root=root))
 
     def _barrier(self) -> None:
-        self.world.Barrier()
+        self.watch.wait("barrier", self.world.Ibarrier())
 
 
 class NcclCommunicator(Communicator):
@@ -261,16 +282,17 @@ class NcclCommunicator(Communicator):
         from mpi4py import MPI
         super().__init__(ranks, dev)
         shared = shared_gpus(ranks, dev)
-        if shared:
-            raise LlmzError(f"NCCL cannot run {shared}; use --comm mpi")
+        if shared:              # every rank found the same (a collective): one line, from rank 0
+            raise AgreedError(f"NCCL cannot run {shared}; use --comm mpi", 2)
         self.world = MPI.COMM_WORLD
         self._nccl_module = nccl
         # rank 0 makes the unique id (128 bytes), MPI carries it to the others, all join the communicator
-        uid = nccl.get_unique_id() if ranks.rank == 0 else None
-        uid = self.world.bcast(uid, root=0)
+        uid = allgather(ranks, nccl.get_unique_id() if ranks.rank == 0 else None)[0]
         with cupy.cuda.Device(dev.gpu_index):
             self.nccl = nccl.NcclCommunicator(ranks.world_size, uid, ranks.rank)
         self._stream = dev.comm_stream.cupy.ptr
+        self._grouped: list[str] | None = None   # inside group(): its collectives, enqueued at its end
+        self.watchdog = NcclWatchdog(self.watch, dev.gpu_index, abort=self._abort)
         atexit.register(self.close)     # before MPI_Finalize (mpi4py registered its handler earlier)
 
     @staticmethod
@@ -305,18 +327,40 @@ class NcclCommunicator(Communicator):
 
     def _barrier(self) -> None:
         self.dev.comm_stream.synchronize()      # every collective enqueued so far has finished here
-        self.world.Barrier()
+        if self.world_size > 1:
+            self.watch.wait("barrier", self.world.Ibarrier())
+
+    def _after(self, op: str) -> None:
+        """An event after the collective on the comm stream, for the watchdog thread; none while the stream
+        is being captured into a CUDA graph (the graph's replay is watched instead: after_graph)."""
+        if self._grouped is not None:
+            self._grouped.append(op)
+        elif not self.dev.comm_stream.cupy.is_capturing():
+            self.watchdog.after(self.dev.comm_stream.cupy, op)
+
+    def after_graph(self, name: str) -> None:
+        self.watchdog.after(self.dev.compute_stream.cupy, f"CUDA graph {name}")
 
     @contextlib.contextmanager
     def group(self):
         self._nccl_module.groupStart()
+        self._grouped = []
         try:
             yield
         finally:
+            grouped, self._grouped = self._grouped, None
             self._nccl_module.groupEnd()
+            if grouped:
+                self._after(f"{grouped[0]} (a group of {len(grouped)})")
+
+    def _abort(self) -> None:
+        """The watchdog's deadline passed: ncclCommAbort, which ends this rank's NCCL kernels."""
+        if self.nccl is not None:
+            self.nccl.abort()
 
     def close(self) -> None:
         if self.nccl is not None:
+            self.watchdog.stop()
             self.dev.comm_stream.synchronize()
             self.nccl.destroy()
             self.nccl = None
@@ -327,10 +371,9 @@ def shared_gpus(ranks: RankInfo, dev) -> str:
     if ranks.world_size == 1 or dev.kind != "gpu":
         return ""
     import cupy
-    from mpi4py import MPI
     bus = cupy.cuda.Device(dev.gpu_index).pci_bus_id
     owners: dict[tuple[str, str], list[int]] = {}
-    for r, key in enumerate(MPI.COMM_WORLD.allgather((ranks.hostname, bus))):
+    for r, key in enumerate(allgather(ranks, (ranks.hostname, bus))):
         owners.setdefault(key, []).append(r)
     for (host, bus), rs in owners.items():
         if len(rs) > 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 
+from .watchdog import DEFAULT_TIMEOUT_S
+
 
 def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
     """llm.c pads the vocabulary to a multiple of 128 so the classifier matmul tiles evenly."""
@@ -126,6 +128,8 @@ class TrainConfig:
     keep: int = 0
     resume: str | None = None           # a step folder, or 'latest'
     quiet: bool = False
+    resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's or the log's
+    collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.watchdog)
 
     def for_device(self, kind: str) -> TrainConfig:
         """This configuration with the device-dependent defaults filled in: a small model on a laptop CPU,

@@ -9,15 +9,20 @@ from fstat, and only then reads the payload, no more than announced, with `read_
 which first check that it fits in the memory available. Every error is one LlmzError naming the file.
 
 Writing: `prepare_output` runs at start for every output a command line names (--save, --log, --trace,
---checkpoint-dir): it creates the parent folders, as tools of this kind do, and refuses a folder, a device
-or an unwritable place in one line, before any work the late failure would waste. `JsonLog` is the --log
-file: one JSON object a line, under its own name from the first record, flushed record by record.
+--checkpoint-dir): it creates the parent folders, as tools of this kind do, and refuses a folder, a device,
+an unwritable place or a name longer than the filesystem allows (NAME_MAX, PATH_MAX) in one line, before
+any work the late failure would waste. Names llmz makes beside an output (a temporary file while writing
+it, a lock) are cut to fit (`fit_name`), so every name that fits works. `JsonLog` is the --log file: one
+JSON object a line, under its own name from the first record, flushed record by record; `check_log` refuses
+a --log that holds anything else, so that no run truncates or trims a file that is not its log.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
+import zlib
 
 from .errors import LlmzError
 
@@ -121,6 +126,75 @@ def read_array(f, dtype, count: int, path: str, what: str):
     return out
 
 
+# ---- names: what the filesystem allows ------------------------------------------------------------------------
+TMP_SUFFIX = ".tmp"
+TMP_TAIL = len(".XXXXXXXX" + TMP_SUFFIX)    # what data.atomic_write's temporary name adds to a name
+# the longest path llmz writes inside a --checkpoint-dir (llmz.state: a step folder, a rank's state, its
+# temporary name), with room for a billion steps and ten thousand ranks
+CHECKPOINT_ENTRY = os.path.join("step_000000000", "state_rank0000.bin.XXXXXXXX.tmp")
+
+
+def name_limits(folder: str) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) in bytes of the filesystem of `folder` (of its nearest existing parent when it
+    does not exist yet): the longest name a folder there holds, the longest path a call accepts."""
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    limits = []
+    for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits.append(os.pathconf(folder, name) or default)
+        except (OSError, ValueError):
+            limits.append(default)
+    return limits[0], limits[1]
+
+
+def nbytes(name: str) -> int:
+    """The length of a name as the filesystem counts it: bytes, not characters."""
+    return len(os.fsencode(name))
+
+
+def cut_name(name: str, limit: int) -> str:
+    """`name`, shortened (by whole characters) to at most `limit` bytes."""
+    while nbytes(name) > limit:
+        name = name[:-1]
+    return name
+
+
+def fit_name(path: str, suffix: str) -> str:
+    """`path + suffix` when its name fits the folder's NAME_MAX; else the name cut short, with a hash of the
+    whole name (so two long names that begin alike stay apart), then the suffix: a lock or a side file of
+    any output whose own name fits."""
+    folder, name = os.path.split(path)
+    limit = name_limits(folder or ".")[0]
+    if nbytes(name + suffix) <= limit:
+        return path + suffix
+    tag = f".{zlib.crc32(os.fsencode(name)):08x}"
+    return os.path.join(folder, cut_name(name, limit - nbytes(tag + suffix)) + tag + suffix)
+
+
+def check_name(path: str, flag: str, inside: str = "") -> None:
+    """Refuse, at start, an output whose name the filesystem cannot hold: a name (of the file, or of a
+    folder on its way) longer than NAME_MAX, or a path, with the longest name llmz writes beside it or
+    `inside` it, longer than PATH_MAX."""
+    full = os.path.abspath(path)
+    folder = full if inside else os.path.dirname(full)
+    name_max, path_max = name_limits(folder)
+    for part in full.split(os.sep):
+        if nbytes(part) > name_max:
+            shown = part if len(part) <= 40 else part[:20] + "..." + part[-12:]
+            raise LlmzError(f"{flag}: the name {shown} is {nbytes(part)} bytes long; this filesystem allows "
+                            f"{name_max}")
+    if inside:
+        longest = nbytes(os.path.join(full, inside))
+    else:
+        name = os.path.basename(full)
+        longest = nbytes(folder) + 1 + max(nbytes(name), min(nbytes(name) + TMP_TAIL, name_max))
+    if longest >= path_max:          # PATH_MAX counts the terminating zero byte
+        raise LlmzError(f"{flag}: the path {full[:40]}... is too long: the files llmz writes there would have "
+                        f"paths of {longest} bytes; this system allows {path_max - 1}")
+
+
 # ---- outputs ------------------------------------------------------------------------------------------------
 def _make_folder(folder: str, flag: str, path: str) -> None:
     try:
@@ -136,6 +210,9 @@ def prepare_output(path: str, flag: str) -> None:
     create the parent folders, and check that they can be written to."""
     if not path:
         raise LlmzError(f"{flag}: empty file name")
+    check_name(path, flag)
+    if flag == "--trace":                  # llmz.trace writes its picture beside the trace, FILE.png
+        check_name(os.path.splitext(path)[0] + ".png", flag)
     if os.path.isdir(path):
         raise LlmzError(f"{flag} {path}: is a folder; name a file")
     if os.path.exists(path) and not os.path.isfile(path):
@@ -144,42 +221,121 @@ def prepare_output(path: str, flag: str) -> None:
 
 
 def prepare_folder(path: str, flag: str) -> None:
-    """At start, for an output FOLDER a flag names: create it (and its parents); refuse a file there."""
+    """At start, for an output FOLDER a flag names (--checkpoint-dir): create it (and its parents); refuse a
+    file there, or a path so long that the files a checkpoint writes inside would not fit PATH_MAX."""
     if not path:
         raise LlmzError(f"{flag}: empty folder name")
+    check_name(path, flag, inside=CHECKPOINT_ENTRY)
     if os.path.exists(path) and not os.path.isdir(path):
         raise LlmzError(f"{flag} {path}: exists and is not a folder")
     _make_folder(path, flag, path)
+
+
+def holder(path: str) -> str:
+    """Who holds a lock (flock) on the file at `path`, from /proc/locks: "pid N", or "" if unknown."""
+    try:
+        st = os.stat(path)
+        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:                  # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"
+                fields = line.split()
+                if "FLOCK" in fields:
+                    i = fields.index("FLOCK")
+                    if fields[i + 4:i + 5] == [inode]:
+                        return f"pid {fields[i + 3]}"
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def _flock(f, path: str, what: str) -> None:
+    """Hold an exclusive lock on the file itself (its inode: every name of it, a symlink, a hard link, another
+    spelling, reaches the same lock; the kernel drops it when the process ends, however it ends)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = holder(path)
+        raise LlmzError(f"{what} is in use by another run{f' ({who})' if who else ''}, which writes the same file "
+                        f"under another name (a symlink or hard link?): wait for it to finish, or choose "
+                        f"another") from None
+    except OSError:
+        pass                                    # a filesystem without locks: the lock file guards alone
+
+
+def check_not_written(path: str, what: str) -> None:
+    """Refuse, at start, a file that another run writes now, under whatever name (its JsonLog holds it)."""
+    try:
+        f = open(path, "rb")                    # noqa: SIM115  (closed below; a regular file: checked at start)
+    except OSError:
+        return
+    with f:
+        _flock(f, path, what)
+
+
+def check_log(path: str, flag: str = "--log") -> None:
+    """Refuse, at start, a --log that exists and is not an llmz log: a run starts its log afresh and a resume
+    trims what a failed attempt wrote, so either would destroy a file of the user's. An llmz log is one JSON
+    object a line, the first a start record; the last line may be torn (a crash while writing it)."""
+    try:
+        f, size = open_regular(path, "log")
+    except LlmzError:
+        return                                  # none yet (or not readable: prepare_output says so)
+    with f:
+        n = 0
+        while line := f.readline(1 << 20):
+            n += 1
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and (n > 1 or rec.get("event") == "start"):
+                continue
+            if not line.endswith(b"\n") and f.tell() == size and (n > 1 or line.startswith(b'{"event": "start"')):
+                return                          # a torn last line, left by a crash
+            shown = line[:40].decode("utf-8", "replace").strip()
+            raise LlmzError(f"{flag} {path}: not an llmz log (line {n}, {shown!r}, is not "
+                            f"{'a start record' if n == 1 else 'a JSON record'}); a run would overwrite it, a "
+                            f"resume trim it: name another file")
 
 
 class JsonLog:
     """The --log file: one JSON object a line, under its own name from the first record, flushed after
     every record (a crash or kill -9 loses at most the line being written).
 
-    As llm.c's logger: a new run starts the file afresh ("w"); a resumed run continues it ("a"), after
-    dropping what an earlier attempt wrote past the step it resumes from (it trained steps that no
-    checkpoint holds any more, and this run writes those steps again): step and val records of steps >= S,
-    checkpoint records after S, end records, and a torn last line. `dropped` counts them."""
+    As llm.c's logger: a new run starts the file afresh; a resumed run continues it, after dropping what an
+    earlier attempt wrote past the step it resumes from (it trained steps that no checkpoint holds any more,
+    and this run writes those steps again): step and val records of steps >= S, checkpoint records after S,
+    end records, and a torn last line. `dropped` counts them. The file is locked (flock) while it is open:
+    a second run that names it otherwise (a symlink, a hard link) is refused, and nothing is truncated or
+    trimmed before the lock is held."""
 
     def __init__(self, path: str, resume_step: int | None = None):
         self.path, self.dropped = path, 0
+        what = f"log {path}"
         try:
-            if resume_step is not None and os.path.isfile(path):
-                self._drop_after(resume_step)
-            self.f = open(path, "a" if resume_step is not None else "w")   # noqa: SIM115  (closed by close())
+            self.f = open(path, "a")            # noqa: SIM115  (closed by close()); truncated once locked
+            _flock(self.f, path, what)
+            if resume_step is None:
+                self.f.truncate(0)
+            elif self._drop_after(resume_step):  # rewritten whole (a new file under the name): lock that one
+                old, self.f = self.f, open(path, "a")      # noqa: SIM115
+                old.close()
+                _flock(self.f, path, what)
         except OSError as e:
             raise LlmzError(f"{path}: cannot write the log ({e.strerror or e})") from None
 
-    def _drop_after(self, step: int) -> None:
+    def _drop_after(self, step: int) -> int:
         from .data import atomic_write
         with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
         keep = []
-        for line in lines:
+        for i, line in enumerate(lines):
             try:
                 rec = json.loads(line)
             except ValueError:
                 rec = None
+            if not isinstance(rec, dict) and i < len(lines) - 1:    # check_log refused these at start
+                raise LlmzError(f"{self.path}: line {i + 1} is not a log record (changed since the start?)")
             past = not isinstance(rec, dict) or rec.get("event") == "end" or (
                 isinstance(rec.get("step"), int) and (rec["step"] > step if rec.get("event") == "checkpoint"
                                                       else rec["step"] >= step))
@@ -189,6 +345,7 @@ class JsonLog:
                 keep.append(line + "\n")
         if self.dropped:
             atomic_write(self.path, ["".join(keep).encode()])
+        return self.dropped
 
     def write(self, record: dict) -> None:
         try:

@@ -35,9 +35,10 @@ from __future__ import annotations
 class Graphs:
     """Named CUDA graphs on a Device's compute stream. Disabled (or not on a GPU): run() just calls fn()."""
 
-    def __init__(self, dev, enabled: bool = True):
+    def __init__(self, dev, enabled: bool = True, after_launch=None):
         self.dev = dev
         self.enabled = enabled and dev.kind == "gpu"
+        self.after_launch = after_launch    # after_launch(name) after each replay: the collective watchdog's
         self.calls: dict[str, int] = {}
         self.graphs: dict = {}
 
@@ -51,6 +52,8 @@ class Graphs:
         if graph is None:
             graph = self.graphs[name] = self.capture(fn)
         graph.launch(stream=self.dev.compute_stream.cupy)
+        if self.after_launch:
+            self.after_launch(name)
 
     def capture(self, fn):
         import cupy

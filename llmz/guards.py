@@ -1,7 +1,7 @@
-"""What keeps a run from wasting work or losing it, checked where it can first be known:
+"""What keeps a run from wasting work or losing it, checked where it can first be known (beside the locks,
+the run's identity and the data agreement of llmz.lock, llmz.state and llmz.data, taken at start, and the
+collective watchdog of llmz.watchdog):
 
-  locks        at start, rank 0 locks --checkpoint-dir and --log for the run's life (llmz.lock): a second run
-               writing there is refused in one line; a lock left by a killed run is reported and taken over
   memory       before the big allocations, a configuration the GPU cannot hold is refused in one line
   divergence   after every step, a non-finite loss or gradient norm, or a loss above --max-loss (default
                3 ln V, three times a uniform guess's), stops the run naming the step, on every rank alike
@@ -11,40 +11,17 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from .config import TrainConfig
-from .errors import LlmzError, UsageError
+from .errors import LlmzError
 from .kernels.norm import NORM_BLOCKS
 from .launch import AgreedError
-from .lock import Lock
 from .memory import fmt_bytes
 
 # what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
 GPU_RESERVE_BYTES = 1 << 30
-
-
-def take_locks(cfg: TrainConfig, locks: list) -> list[str]:
-    """Rank 0, at start: lock --checkpoint-dir and --log for this run (llmz.lock); appends each Lock taken
-    to `locks` (released at the end, also on failure). Returns the notes of stale locks taken over."""
-    notes = []
-    for path, what in ((cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "llmz.lock"),
-                        f"checkpoint folder {cfg.checkpoint_dir}"),
-                       (cfg.log and cfg.log + ".lock", f"log {cfg.log}")):
-        if path:
-            lock = Lock(path, what)
-            try:
-                note = lock.acquire()
-            except UsageError:
-                raise
-            except LlmzError as e:              # refused at start, like a flag: exit status 2
-                raise UsageError(str(e)) from None
-            locks.append(lock)
-            if note:
-                notes.append(note)
-    return notes
 
 
 def check_fits(predicted: dict, free: int, total: int, gpu_index: int = 0,

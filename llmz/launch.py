@@ -10,27 +10,38 @@ launcher kills the rest. The start-up (the check of the flags, the locks) runs a
 under `agree`: every rank checks, the outcome is gathered, and a refusal anywhere ends every rank with one
 line from rank 0 and the same exit status, no abort needed.
 
-Importing this module is cheap: mpi4py (which initialises MPI when `mpi4py.MPI` is imported) is imported
-inside `init_ranks` only.
+Every collective between ranks, the start-up's too, has a deadline (llmz.watchdog): a rank that stops
+is named by the others, not waited for. SIGTERM and SIGHUP end a run as Ctrl-C does: one line, saying where.
+
+Importing this module is cheap: mpi4py is imported inside `init_ranks` only, which checks what MPI's start-up
+needs before it starts MPI (MPI_Init_thread).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmz.environment import lone_rank_line
 from llmz.errors import INTERRUPTED_EXIT, LlmzError
 from llmz.threads import share_cores
+from llmz.watchdog import Watch, abort_job, say_line
 
-# set by launchers that start several ranks: a rank that sees one of these must not run alone
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
+# set by launchers that start several ranks: a rank that sees one of these must not run alone
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+_LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# MPI's start-up writes shared-memory files (MPICH over UCX: 4.1 MiB each, measured); under a smaller
+# file-size limit (ulimit -f) it dies with a stack of MPI and UCX errors, so llmz refuses first, in one line
+MPI_MIN_FILE_SIZE = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class RankInfo:
     local_rank: int     # index of this rank among the ranks on the same host; also its GPU index
     local_size: int     # ranks on this host
     hostname: str
+    watch: Watch | None = field(default=None, compare=False, repr=False)   # the collectives' deadline
 
     @property
     def gpu_index(self) -> int:
@@ -53,36 +65,120 @@ def _launcher_world_size() -> int:
     return 1
 
 
-def init_ranks() -> RankInfo:
-    """Rank, world size and local rank from MPI; rank 0 of 1 when mpi4py is missing and no launcher ran us."""
+def _launcher_rank() -> int:
+    """This process's rank as the launcher set it in the environment (before MPI is up); 0 without one."""
+    for var in _LAUNCHER_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def file_size_limit() -> int | None:
+    """The soft limit on the size of a file this process writes (ulimit -f), in bytes; None: unlimited."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def init_ranks(collective_timeout: float | None = None) -> RankInfo:
+    """Rank, world size and local rank from MPI; rank 0 of 1 when mpi4py is missing and no launcher ran us.
+    collective_timeout: the deadline of the start-up's collectives (llmz.watchdog; None: its default)."""
+    n = _launcher_world_size()
+    limit = file_size_limit()
+    if limit is not None and limit < MPI_MIN_FILE_SIZE:
+        if n > 1:
+            from .files import fmt_bytes
+            raise LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up writes "
+                            f"shared-memory files of several MiB and dies under it; raise it (ulimit -f "
+                            f"unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)")
+        return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))  # no MPI needed
     try:
+        import mpi4py
+        mpi4py.rc.initialize = False        # MPI_Init_thread below, once the limit above is known to be fine
+        mpi4py.rc.finalize = True
         from mpi4py import MPI
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)    # the NCCL watchdog thread reads the boards too
     except Exception as e:  # noqa: BLE001  (mpi4py absent, or its MPI library fails to load)
-        n = _launcher_world_size()
         if n > 1:
             raise LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({e}); "
                             "install llmz[mpi]") from None
-        return RankInfo(0, 1, 0, 1, socket.gethostname())
+        return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     hostname = MPI.Get_processor_name()
     if size == 1:
         if _launcher_world_size() > 1:              # another MPI's mpiexec: each rank alone in its world
             raise LlmzError(lone_rank_line(_launcher_world_size(), MPI.Get_library_version()))
-        return RankInfo(0, 1, 0, 1, hostname)
+        return RankInfo(0, 1, 0, 1, hostname, Watch(timeout=collective_timeout))
+    watch = Watch(world, collective_timeout)        # gathers every rank's host: a collective
+    atexit.register(watch.close)                    # before MPI_Finalize (registered when MPI started)
     # local rank: how many ranks before me share my host (llm.c gathers hostname hashes the same way)
-    hosts = world.allgather(hostname)
+    hosts = watch.hosts
     local_rank = sum(1 for h in hosts[:rank] if h == hostname)
     local_size = sum(1 for h in hosts if h == hostname)
     share_cores(local_size)             # one BLAS pool per rank, sized to the cores this host's ranks share
-    return RankInfo(rank, size, local_rank, local_size, hostname)
+    return RankInfo(rank, size, local_rank, local_size, hostname, watch)
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks a launcher (mpiexec, started as launcher_pid) runs on this host, Linux: the
+    Python processes under it whose environment holds the launcher's PMI_RANK or OMPI_COMM_WORLD_RANK. For
+    tests and tools that stop or kill one rank of a job."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+
+    def under_launcher(pid: int) -> bool:
+        while pid in parent and pid != launcher_pid:
+            pid = parent[pid]
+        return pid == launcher_pid
+
+    ranks = {}
+    for pid in parent:
+        if pid == launcher_pid or not under_launcher(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                python = os.path.basename(f.read().split(b"\0")[0]).startswith(b"python")
+        except OSError:
+            continue
+        rank = next((env[v.encode()] for v in _LAUNCHER_RANK_VARS if v.encode() in env), None)
+        if python and rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+def start_failed(e: LlmzError) -> int:
+    """init_ranks refused to start (before MPI is up, so no rank can speak for the others): the line once,
+    from the launcher's rank 0; status 2 on every rank."""
+    if _launcher_rank() == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def allgather(ranks: RankInfo, obj) -> list:
+    """Every rank's obj (picklable), by rank, on every rank; under the collective watchdog."""
+    if ranks.world_size == 1:
+        return [obj]
+    if ranks.watch is not None:
+        return ranks.watch.allgather_object(obj)
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.allgather(obj)
 
 
 def _mpi_rank_and_size() -> tuple[int, int]:
     """Rank and world size if MPI is already running in this process, without starting it."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return 0, 1
+        return _launcher_rank(), 1
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
 
 
@@ -113,19 +209,14 @@ def agree(ranks: RankInfo, fn, same=None):
         if os.environ.get("LLMZ_DEBUG") == "1":
             traceback.print_exc()
         err = (f"{type(e).__name__}: {_first_line(e)}", 1)
-    errs = [err]
-    if ranks.world_size > 1:
-        from mpi4py import MPI
-        errs = MPI.COMM_WORLD.allgather(err)
+    errs = allgather(ranks, err)
     failed = [(r, e) for r, e in enumerate(errs) if e is not None]
     if failed:
         r, (msg, code) = failed[0]
         alike = len(failed) == len(errs) and all(e == failed[0][1] for _, e in failed)
         raise AgreedError(msg if alike or ranks.world_size == 1 else f"rank {r}: {msg}", code)
     if same is not None and ranks.world_size > 1:
-        from mpi4py import MPI
-        mine = same(result)
-        views = MPI.COMM_WORLD.allgather(mine)
+        views = allgather(ranks, same(result))
         for r, view in enumerate(views):
             for key in view:
                 if view[key] != views[0][key]:
@@ -145,16 +236,45 @@ def _die(rank: int, world_size: int, line: str | None, code: int, delay: float =
     if delay and world_size > 1:
         time.sleep(delay)
     if line is not None:
-        prefix = f"rank {rank}: " if world_size > 1 else ""
-        print(f"{prefix}{line}", file=sys.stderr, flush=True)
+        say_line((f"rank {rank}: " if world_size > 1 else "") + line)
     sys.stdout.flush()
     if world_size > 1:
-        # MPI_Abort: the launcher kills every rank, so none waits forever in a collective.
-        # (MPICH adds its own line "application called MPI_Abort(...)".) The launcher forwards our stderr
-        # through a pipe and drops what it has not forwarded when it kills the job: give it a moment.
+        # MPI_Abort: the launcher kills every rank, so none waits forever in a collective. The launcher
+        # forwards our stderr through a pipe and drops what it has not forwarded when it kills the job: give
+        # it a moment.
         time.sleep(ABORT_GRACE_S)
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+        abort_job(sys.modules["mpi4py.MPI"].COMM_WORLD, code)
     sys.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, taken as Ctrl-C is (train: "terminated by SIGTERM at step N; last checkpoint ..."),
+    with exit status 128 + the signal's number, as shells report a process the signal ended."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def interrupted(e: KeyboardInterrupt, where: str) -> KeyboardInterrupt:
+    """The same interruption (Ctrl-C or a Terminated), its line saying where it found the run."""
+    if isinstance(e, Terminated):
+        return Terminated(e.signum, f"terminated by {signal.Signals(e.signum).name} {where}")
+    return KeyboardInterrupt(f"interrupted {where}")
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM and SIGHUP raise Terminated in the main thread, as SIGINT raises KeyboardInterrupt. A signal
+    that is ignored (nohup ignores SIGHUP, so a run survives the end of its terminal) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -165,10 +285,11 @@ def abort_on_error(ranks: RankInfo | None = None):
     An AgreedError (every rank failed alike at start) is printed by rank 0 alone, and every rank exits.
     Ctrl-C (KeyboardInterrupt) prints one line, the KeyboardInterrupt's message if the command gave it one
     (llmz.train: "interrupted at step N; last checkpoint ...") or "interrupted", and exits with 130, as
-    shells do for SIGINT.
+    shells do for SIGINT; SIGTERM and SIGHUP likewise (Terminated), with 143 and 129.
     A non-zero sys.exit on one rank also aborts the others (they could be waiting for it), silently:
     whoever called sys.exit has said why.
     """
+    _terminate_as_interrupt()
     try:
         yield
     except SystemExit as e:
@@ -187,7 +308,7 @@ def abort_on_error(ranks: RankInfo | None = None):
     except KeyboardInterrupt as e:
         rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
         line = str(e) or "interrupted"
-        _die(rank, size, line, INTERRUPTED_EXIT, delay=2 * ABORT_GRACE_S if rank else 0.0)
+        _die(rank, size, line, getattr(e, "exit_code", INTERRUPTED_EXIT), delay=2 * ABORT_GRACE_S if rank else 0.0)
     except BaseException as e:  # noqa: BLE001  (no peer may be left waiting)
         rank, size = (ranks.rank, ranks.world_size) if ranks else _mpi_rank_and_size()
         if os.environ.get("LLMZ_DEBUG") == "1":

@@ -3,14 +3,18 @@
 Two runs on one checkpoint folder replace each other's checkpoints (and prune each other's with --keep);
 two runs on one --log interleave their lines. So rank 0 of a run holds
 
-    DIR/llmz.lock          for --checkpoint-dir DIR
-    FILE.jsonl.lock        for --log FILE.jsonl
+    DIR/llmz.lock          for --checkpoint-dir DIR (inside it: every spelling of DIR, a symlink to it
+                           included, reaches this one file)
+    FILE.jsonl.lock        for --log FILE.jsonl, beside the file the name resolves to (symlinks followed,
+                           so `alias.jsonl -> FILE.jsonl` and `DIR/./FILE.jsonl` share it); and while the
+                           log is open, a lock on the log file itself (flock, llmz.files.JsonLog), which a
+                           hard link or any other name reaches too
 
 from the start to the end of training: one JSON line with the owner's pid, host, start time and, on Linux,
 the process's start tick (so a pid reused by another process does not look like the owner). The lock is
 taken with O_CREAT | O_EXCL, which is atomic. A lock whose owner is gone (same host, no live process with
-that pid and start tick: the run was killed or crashed) is stale: it is reported in a note and taken over,
-never silently. A lock held by a live process, or left by another host (where this one cannot check), is
+that pid and start tick, or a zombie: the run was killed or crashed, its process not yet reaped) is stale: it
+is reported in a note and taken over at once, never silently. A lock held by a live process, or left by another host (where this one cannot check), is
 refused with a line that says whose it is.
 """
 from __future__ import annotations
@@ -20,30 +24,41 @@ import os
 import socket
 import time
 
-from .errors import LlmzError
+from .errors import LlmzError, UsageError
+from .files import check_log, check_not_written, fit_name
 
 
-def _start_tick(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
+def process_state(pid: int | None) -> tuple[str | None, int | None]:
+    """(state, start tick) of a process of this host: the state letter of /proc/PID/stat (R running, S
+    sleeping, D in the kernel, T stopped, Z zombie: dead, not yet reaped by its parent) and its start time in
+    clock ticks since boot (field 22: a pid reused by another process has another). (None, None): there is
+    no such process. ("?", None): it exists, but there is no /proc to read (not Linux)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None, None
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except FileNotFoundError:
+        return None, None
     except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(owner: dict) -> bool:
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return None, None
     except PermissionError:
         pass                                    # it exists, under another user
-    tick = owner.get("tick")
-    return tick is None or _start_tick(pid) in (None, tick)
+    return "?", None
+
+
+def _alive(owner: dict) -> bool:
+    """Does the lock's owner still run? Not when its pid is gone, is a zombie (killed or crashed, not yet
+    reaped: under mpiexec a dead rank stays one for a moment), or belongs to a process started later."""
+    state, tick = process_state(owner.get("pid"))
+    if state in (None, "Z", "X"):
+        return False
+    return owner.get("tick") is None or tick is None or tick == owner["tick"]
 
 
 def _describe(owner: dict) -> str:
@@ -61,7 +76,7 @@ class Lock:
 
     def _me(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                "tick": _start_tick(os.getpid())}
+                "tick": process_state(os.getpid())[1]}
 
     def _create(self) -> bool:
         try:
@@ -101,7 +116,7 @@ class Lock:
                                 f"{self.path}): wait for it to finish, or choose another")
             # stale: move it aside under a name of our own (atomic: of two runs taking over, one wins),
             # then take the lock as usual
-            aside = f"{self.path}.stale.{os.getpid()}"
+            aside = fit_name(self.path, f".stale.{os.getpid()}")
             try:
                 os.replace(self.path, aside)
             except FileNotFoundError:
@@ -131,3 +146,31 @@ class Lock:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def take_locks(args, locks: list) -> list[str]:
+    """Rank 0 of llmz.train, at start: lock --checkpoint-dir and --log for this run (appending each Lock taken
+    to `locks`, released at the end, also on failure) and refuse a --log that is not an llmz log or that
+    another run writes under another name. Returns the notes of stale locks taken over. Refusals are
+    UsageErrors: exit status 2, before any work."""
+    notes = []
+    wanted = []
+    if args.checkpoint_dir:
+        wanted.append((os.path.join(args.checkpoint_dir, "llmz.lock"), f"checkpoint folder {args.checkpoint_dir}"))
+    if args.log:
+        wanted.append((fit_name(os.path.realpath(args.log), ".lock"), f"log {args.log}"))
+    try:
+        for path, what in wanted:
+            lock = Lock(path, what)
+            note = lock.acquire()
+            locks.append(lock)
+            if note:
+                notes.append(note)
+        if args.log:
+            check_not_written(args.log, f"log {args.log}")
+            check_log(args.log)
+    except UsageError:
+        raise
+    except LlmzError as e:
+        raise UsageError(str(e)) from None
+    return notes

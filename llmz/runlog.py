@@ -1,7 +1,7 @@
 """What a training run says: its lines on rank 0's stdout and, with --log FILE.jsonl, one JSON object a line
 (flushed line by line; a new run starts the file, a resumed run continues it, llmz.files.JsonLog):
 
-    {"event": "start", "config", "args", "world_size", "memory", "start_step", "resumed_from"}
+    {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from"}
     {"step", "val_loss"}                                 every --val-every steps and at the last
     {"step", "loss", "lr", "grad_norm", "ms", "tokens_per_s", "elapsed_s", "eta_s"[, "mfu"]}    every step
     {"event": "checkpoint", "step", "path"}
@@ -75,7 +75,7 @@ class RunLog:
             if self.file.dropped:
                 self.say(f"resume: {cfg.log}: dropped {self.file.dropped} record(s) an earlier attempt wrote "
                          f"past step {start}")
-            self.write({"event": "start", "config": c.to_dict(), "args": cfg.to_dict(),
+            self.write({"event": "start", "run_id": run.run_id, "config": c.to_dict(), "args": cfg.to_dict(),
                         "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
                         "resumed_from": run.resumed.path if run.resumed else None})
         self.progress = Progress(cfg.steps, start)

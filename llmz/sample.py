@@ -15,6 +15,9 @@ from .bf16 import bf16_to_f32
 from .device import KERNEL_SETS, KINDS, resolve
 
 UNKNOWN_WINDOW_MAX = 256        # the default window of a model file that does not say its trained T
+# the most tokens one sample may ask for (--tokens, and llmz.train's --sample-tokens): each is a forward pass
+# over the window, ~1 ms for d12 on a GPU, longer on a CPU, so a million is about the longest wait worth asking
+MAX_TOKENS = 1_000_000
 
 
 def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0,
@@ -75,7 +78,7 @@ def build_parser():
       "(required)")
     a("--prompt", default="", help="text the sample continues (default: '': start from the end-of-text token, "
       "or a newline, and print the sample alone)")
-    a("--tokens", type=int, default=200, help="tokens to generate")
+    a("--tokens", type=int, default=200, help=f"tokens to generate (at most {MAX_TOKENS:,})")
     a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file (decodes only: no "
       "--prompt with one)")
     a("--device", choices=KINDS, default="auto", help="gpu, cpu or sim (Numba's CUDA simulator); auto: gpu if "

@@ -12,8 +12,8 @@ Training-state file (little-endian):
     header  256 uint32: [0]=20261203 magic, [1]=1 version, [2]=JSON length n, [3]=CRC-32 of the JSON; rest 0
     JSON    n bytes of UTF-8: step (optimizer steps done), world size, rank, ZeRO stage, precision, the model
             config, the flags that shape training, the data loader state, the RNG state (numpy's bit
-            generator), this rank's slice of every bucket ([name, size, start, end]), and the arrays that
-            follow ({name, dtype, count, crc32})
+            generator), this rank's slice of every bucket ([name, size, start, end]), the arrays that
+            follow ({name, dtype, count, crc32}), and the run id (below)
     zeros   up to a multiple of 8 bytes
     arrays  params, m, v back to back: each is slice r of every bucket (llmz.layout), bucket by bucket,
             in the precision training ran in (so a float64 run resumes bit-exactly; model.bin is fp32)
@@ -22,6 +22,12 @@ Every rank saves slice r of every bucket whatever its stage (stage 0 keeps every
 the N ranks already make the whole). Because slices are per bucket, a run with another world size, whose
 buckets are padded differently, rebuilds its own shard from all the files (`Checkpoint.assemble`).
 Every reader check ends in a one-line LlmzError that names the file.
+
+A run has an identity, a random run id drawn at its first start and kept by every resume, written into each
+state file, DONE and the log's start records. A checkpoint of another run (copied into the folder, or a
+log of another run) is named as such at resume and refused unless --resume-other-run says to take it
+(`check_run_identity`); state files of two runs in one folder are refused by `load_checkpoint`. Files
+written before run ids existed have none, and are not compared.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 import zlib
 from dataclasses import dataclass, fields
 
@@ -37,8 +44,9 @@ import numpy as np
 from .checkpoint import load_model
 from .config import GPT2Config
 from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
-from .errors import LlmzError
-from .files import read_array, read_bytes
+from .errors import LlmzError, UsageError, before_any_work
+from .files import TMP_SUFFIX, read_array, read_bytes
+from .launch import agree, allgather
 from .layout import Layout
 
 STATE_MAGIC = 20261203
@@ -117,6 +125,8 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
     for key in ("flags", "data", "rng"):
         if not isinstance(meta.get(key), dict):
             bad(f"{key} is missing or not an object")
+    if not isinstance(meta.get("run_id", ""), str):
+        bad(f"run id {meta['run_id']!r} is not a string")
     # the model config
     cfg = meta.get("config")
     names = [f.name for f in fields(GPT2Config)]
@@ -238,12 +248,13 @@ def latest_checkpoint(root: str) -> str | None:
 
 def prepare_step_dir(folder: str, world_size: int) -> None:
     """Rank 0, before anyone writes: make the folder; drop a DONE and state files of ranks >= world_size
-    left by an earlier run, so the folder is never complete with a mix of two runs' files."""
+    left by an earlier run, so the folder is never complete with a mix of two runs' files, and the temporary
+    files of an earlier attempt whose writer was killed (no rank of this run writes here yet)."""
     try:
         os.makedirs(folder, exist_ok=True)
         for name in os.listdir(folder):
             m = STATE_FILE.match(name)
-            if name == DONE_FILE or (m and int(m.group(1)) >= world_size):
+            if name == DONE_FILE or (m and int(m.group(1)) >= world_size) or name.endswith(TMP_SUFFIX):
                 os.unlink(os.path.join(folder, name))
     except OSError as e:
         raise LlmzError(f"{folder}: cannot prepare the checkpoint folder ({e.strerror or e})") from None
@@ -337,6 +348,9 @@ def load_checkpoint(path: str) -> Checkpoint:
     for r, st in enumerate(states):
         if st.rank != r:
             raise LlmzError(f"{st.path}: says rank {st.rank}")
+        if st.meta.get("run_id") != first.meta.get("run_id"):
+            raise LlmzError(f"{st.path}: of another run (run id {st.meta.get('run_id')}) than {first.path} "
+                            f"(run id {first.meta.get('run_id')})")
         diff = [k for k in same if st.meta[k] != first.meta[k]]
         if diff:
             raise LlmzError(f"{st.path}: {', '.join(diff)} differ from {first.path} (files of two runs?)")
@@ -361,3 +375,72 @@ def load_checkpoint(path: str) -> Checkpoint:
                         f"({'within one bf16 step' if first.meta['precision'] == 'bf16' else 'fp32-rounded'}): "
                         f"files of two runs?")
     return ckpt
+
+
+def load_checkpoint_agreed(path: str, ranks) -> Checkpoint:
+    """load_checkpoint on every rank (each reads every file), the outcome agreed (llmz.launch.agree): a
+    checkpoint found wrong alike on every rank is one line from rank 0, not one per rank; a refusal at
+    start, exit status 2."""
+    def load():
+        with before_any_work():
+            return load_checkpoint(path)
+    return agree(ranks, load)
+
+
+# ---- the run's identity -----------------------------------------------------------------------------------
+def run_identity(resumed: Checkpoint | None, ranks) -> str:
+    """This run's id: the resumed checkpoint's, else a new random one, rank 0's on every rank."""
+    if resumed is not None and resumed.meta.get("run_id"):
+        return resumed.meta["run_id"]
+    return allgather(ranks, uuid.uuid4().hex[:16])[0]
+
+
+def done_run_id(folder: str) -> str | None:
+    """The run id a checkpoint's DONE names (None: none, or no readable DONE)."""
+    try:
+        with open(os.path.join(folder, DONE_FILE)) as f:
+            rid = json.loads(f.read(4096)).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def log_run_id(path: str) -> str | None:
+    """The run id of the last start record of a --log (None: no log, or none there)."""
+    rid = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith('{"event": "start"'):
+                    try:
+                        rid = json.loads(line).get("run_id")
+                    except ValueError:
+                        pass
+    except OSError:
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def check_run_identity(args) -> list[str]:
+    """Rank 0 of llmz.train, at start: the checkpoint --resume takes must be of the run that the other
+    complete checkpoints of --checkpoint-dir and the --log belong to; else refused (status 2) naming both
+    runs, unless --resume-other-run. Returns the notes to print."""
+    resume = args.resume
+    if resume == "latest":
+        resume = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    mine = done_run_id(resume) if resume else None
+    if mine is None:
+        return []
+    others = [(p, done_run_id(p)) for _, p, done in checkpoints(args.checkpoint_dir) if done] \
+        if args.checkpoint_dir else []
+    others = [(f"checkpoint {p}", rid) for p, rid in others if rid and rid != mine]
+    if args.log and os.path.isfile(args.log) and log_run_id(args.log) not in (None, mine):
+        others.append((f"log {args.log}", log_run_id(args.log)))
+    if not others:
+        return []
+    where, theirs = others[0]
+    line = (f"--resume {resume} is a checkpoint of run {mine}, but {where} belongs to run {theirs} (a checkpoint "
+            f"copied from another run?)")
+    if not args.resume_other_run:
+        raise UsageError(f"{line}; to continue run {mine} there anyway, add --resume-other-run")
+    return [f"note: {line}; continuing it, as --resume-other-run says"]

@@ -36,15 +36,27 @@ def _decode_bytes(table: list[bytes], ids) -> str:
     return b"".join(table[i] for i in ids.tolist()).decode("utf-8", errors="replace")
 
 
+def text_bytes(text: str) -> bytes:
+    """The bytes a text stands for: UTF-8, with the bytes that were not UTF-8 in a command line given back as
+    they came (Python decodes sys.argv with surrogateescape, as os.fsencode encodes it). A character no byte
+    sequence stands for (a lone surrogate made in Python) is refused in one line naming it."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise LlmzError(f"character U+{ord(text[e.start]):04X} at position {e.start} is a lone surrogate: it "
+                        f"stands for no text and no bytes") from None
+
+
 class ByteTokenizer:
-    """Each UTF-8 byte is a token (vocab 256). There is no end-of-text token: eot is None
-    (every byte value can occur in text, so none is free to mean "document boundary")."""
+    """Each byte is a token (vocab 256): the UTF-8 bytes of a text, or any bytes at all (text_bytes). There
+    is no end-of-text token: eot is None (every byte value can occur in text, so none is free to mean
+    "document boundary")."""
     name = "bytes"
     vocab_size = 256
     eot = None
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+        return np.frombuffer(text_bytes(text), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).ravel()
@@ -79,6 +91,12 @@ class Gpt2Tokenizer:
         self.eot = self.enc.eot_token
 
     def encode(self, text: str) -> np.ndarray:
+        raw = text_bytes(text)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmzError(f"byte 0x{raw[e.start]:02x} at position {e.start} is not UTF-8: GPT-2's BPE encodes "
+                            f"text; the byte tokenizer takes any bytes") from None
         return np.asarray(self.enc.encode(text, allowed_special={"<|endoftext|>"}), dtype=np.uint16)
 
     def decode(self, ids) -> str:

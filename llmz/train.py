@@ -15,8 +15,9 @@ from .args import TRACE_STAGES, Parser, check_train, flag
 from .config import PRESETS, TrainConfig
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
-from .launch import abort_on_error, agree, init_ranks
+from .launch import abort_on_error, agree, init_ranks, start_failed
 from .precision import PRECISIONS
+from .watchdog import peek_timeout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +104,7 @@ def output_flags(a) -> None:
     a("--val-every", type=int, help="validation loss every N steps and at the last; 0 = only at the last")
     a("--val-batches", type=int, help="batches per validation loss (at most the val data's)")
     a("--sample-every", type=int, help="print a sample every N steps; 0 = only at the end")
-    a("--sample-tokens", type=int, help="tokens per printed sample; 0 = no samples")
+    a("--sample-tokens", type=int, help="tokens per printed sample (at most 1,000,000); 0 = no samples")
     a("--log", metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
       "new run starts the file, a resumed run continues it (default: no log)")
     a("--save", metavar="FILE.bin", help="write the final model, llm.c format (default: not saved)")
@@ -120,6 +121,14 @@ def output_flags(a) -> None:
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
       "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
     a("--quiet", action="store_true", help="no per-step lines")
+    a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is "
+      "of another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
+    a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "
+      "step and the rank(s) that did not arrive, when a collective between ranks waits longer than this (a "
+      "rank stopped, hung or dead). The default, PyTorch's, is 40x the longest legitimate wait of one rank "
+      "for another (BENCHMARKS.md: the checkpoint whose model file rank 0 writes alone, the first step's "
+      "compilation, CUDA graph capture: seconds); raise it only for a filesystem that takes minutes to write "
+      "a checkpoint")
 
 
 def parse_args(argv=None, kind: str | None = None, world_size: int = 1) -> tuple[TrainConfig, str]:
@@ -142,14 +151,14 @@ def main(argv=None) -> int:
     """The ranks first, then the flags: every rank checks them and all agree (llmz.launch.agree), so a bad
     flag on any rank ends the whole job with one line, exit status 2, and no rank left waiting."""
     try:
-        ranks = init_ranks()
+        ranks = init_ranks(collective_timeout=peek_timeout(argv))
     except LlmzError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return start_failed(e)
     with abort_on_error(ranks), np.errstate(all="ignore"):   # overflow is caught as a non-finite loss
         cfg, kind = agree(ranks, lambda: parse_args(argv, world_size=ranks.world_size),
                           same=lambda result: {**{flag(k): v for k, v in result[0].to_dict().items()},
                                                "--device (resolved)": result[1]})
+        ranks.watch.timeout = cfg.collective_timeout
         from .trainer import train  # numba loads here, after the device is resolved (the simulator)
         train(cfg, kind, ranks)
     return 0

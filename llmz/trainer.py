@@ -27,18 +27,20 @@ from .bf16 import bf16_to_f32
 from .checkpointing import Checkpoints
 from .comm import make_communicator
 from .config import TrainConfig
-from .data import DataLoader
+from .data import DataLoader, check_same_data
 from .device import Device
 from .errors import LlmzError, before_any_work
 from .fast.encoder import wte_buckets, wte_buckets_upload
 from .graph import Graphs
-from .guards import Guards, check_fits, take_locks
-from .launch import AgreedError, agree
+from .guards import Guards, check_fits
+from .launch import AgreedError, agree, interrupted
+from .lock import take_locks
 from .model import GPT2
 from .optim import AdamW
 from .precision import PRECISIONS
 from .runlog import RunLog
 from .sampling import Sampler
+from .state import check_run_identity, run_identity
 from .tokenizer import load_tokenizer
 from .trace import Tracer
 from .zero import make_stage
@@ -56,7 +58,8 @@ class Trainer:
                           attention=cfg.attention, tf32=not cfg.no_tf32, kernel_set=cfg.kernels)
         self.comm = make_communicator(cfg.comm, ranks, self.dev)
         self.tok = load_tokenizer(cfg.tokenizer)
-        self.resumed = checkpointing.find(cfg, self.notes)
+        self.resumed = checkpointing.find(cfg, ranks, self.notes)
+        self.run_id = run_identity(self.resumed, ranks)             # kept across resumes (a collective)
         self.config, self.layout, params = checkpointing.start(cfg, kind, self.tok, self.world_size,
                                                                self.resumed)
         self.sampler = Sampler(cfg, self.tok, self.config, self.dev, self.notes)
@@ -92,7 +95,7 @@ class Trainer:
         # and ZeRO-2's stochastic rounding read their step from device memory (zero.set_scalars,
         # zero.set_micro_step)
         self.graphs = Graphs(self.dev, enabled=not (cfg.no_cuda_graph or cfg.trace)
-                             and self.comm.name in ("local", "nccl"))
+                             and self.comm.name in ("local", "nccl"), after_launch=self.comm.after_graph)
         self.checkpoints = Checkpoints(self, self.resumed)
         self.start_step = self.checkpoints.restore() if self.resumed else 0
 
@@ -196,10 +199,12 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     order that loses nothing: the last checkpoint, --save, the log's end record and close, and only then the
     sample (its failure can no longer cost anything). A non-finite or diverged step stops the run, naming the
     step, on every rank."""
-    samples = ranks.rank == 0 or cfg.zero_stage == 3    # stage 3: generating gathers, every rank takes part
     locks, run, log, step = [], None, None, None
     try:
-        notes = agree(ranks, lambda: take_locks(cfg, locks) if ranks.rank == 0 else [])
+        # rank 0 locks the checkpoint folder and the log, and checks they are this run's; all read the same data
+        notes = agree(ranks, lambda: take_locks(cfg, locks) + check_run_identity(cfg) if ranks.rank == 0
+                      else [])
+        check_same_data(ranks, {"--train-data": cfg.train_data, "--val-data": cfg.val_data})
         with before_any_work():                     # a file found wrong while reading it: status 2
             run = Trainer(cfg, kind, ranks)
         log = RunLog(run, ranks)
@@ -214,13 +219,14 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
         start = step = run.start_step
         traced = min(start + 1, cfg.steps - 1)        # --trace records the second step (the first compiles)
         for step in range(start, cfg.steps):
+            run.comm.watch.step = step                  # for the collective watchdog's lines
             last = step == cfg.steps - 1
             if run.val_loader and (last or every(cfg.val_every, step)):
                 loss = run.val_loss(cfg.val_batches)
                 log.val(step, loss)
                 if not math.isfinite(loss):
                     stop(f"step {step}: non-finite validation loss {loss}")
-            if samples and cfg.sample_tokens and step > 0 and every(cfg.sample_every, step):
+            if cfg.sample_tokens and step > 0 and every(cfg.sample_every, step):
                 log.sample(run.sampler.text(run.zero.pviews))
             out, seconds = run.timed_step(step, trace=cfg.trace if step == traced else None)
             why = run.guards.diverged(step, out["loss"], out["grad_norm"])
@@ -236,8 +242,8 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
             run.checkpoints.save_model(cfg.save, step)
             log.say(f"saved {cfg.save}")
         log.end(summary)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(interrupted(cfg, run, log, step)) from None
+    except KeyboardInterrupt as e:                      # Ctrl-C, SIGTERM, SIGHUP
+        raise interrupted(e, where_stopped(cfg, run, log, step)) from None
     finally:
         if log:
             with contextlib.suppress(LlmzError):    # already failing: the first error is the one to report
@@ -245,8 +251,11 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
         for lock in locks:
             lock.release()
     run.comm.barrier()
-    # only now, with everything written, the sample
-    if samples and cfg.sample_tokens:
+    # only now, with everything written, the sample. Every rank generates it (the same tokens from the same
+    # seed) and rank 0 prints it: at ZeRO stage 3 generating gathers the parameters, a collective, and at the
+    # other stages a rank that did not generate would wait as long for rank 0 in its next collective, a wait
+    # the collective watchdog's deadline would have to cover
+    if cfg.sample_tokens:
         log.say("--- sample ---\n" + run.sampler.text(run.zero.pviews) + "\n--------------")
     return summary
 
@@ -256,9 +265,10 @@ def every(n: int, step: int) -> bool:
     return n > 0 and step % n == 0
 
 
-def interrupted(cfg: TrainConfig, run, log, step) -> str:
-    """The one line of a run stopped by Ctrl-C: where, the last checkpoint, the log."""
+def where_stopped(cfg: TrainConfig, run, log, step) -> str:
+    """The words of a run stopped by Ctrl-C or a signal (llmz.launch.interrupted says which): where, the last
+    checkpoint, the log."""
     last = (run.checkpoints.last if run else None) or ("none" if cfg.checkpoint_dir else
                                                        "none (no --checkpoint-dir)")
     where = "before training began" if step is None else f"at step {step}"
-    return f"interrupted {where}; last checkpoint {last}" + (f"; log {cfg.log}" if log and log.file else "")
+    return f"{where}; last checkpoint {last}" + (f"; log {cfg.log}" if log and log.file else "")

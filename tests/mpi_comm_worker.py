@@ -6,6 +6,15 @@
         the last rank raises while the others wait in collectives: abort_on_error must end them all
     mpiexec -n N python tests/mpi_comm_worker.py kill
         the last rank kills itself (SIGKILL) during a loop of collectives: the launcher must end the rest
+    mpiexec -n N python tests/mpi_comm_worker.py freeze --timeout S
+        the last rank stops itself (SIGSTOP) during a loop of collectives, after printing `freezing at T`
+        (time.time()): the others' watchdog must end the job, naming it, within S + 10 s
+    mpiexec -n N python tests/mpi_comm_worker.py vanish
+        the last rank exits (status 0, no MPI_Finalize) during a loop of collectives: the others must name it
+    python tests/mpi_comm_worker.py hang --device gpu --comm nccl --timeout S
+        one rank: a kernel that spins until the communicator is aborted holds the comm stream, and an
+        all-reduce is queued behind it; the NCCL watchdog thread must print one line, abort the communicator
+        and end the process (status 124) within S + 10 s
 Every rank can rebuild every rank's input (seeded by rank), so each checks the full answer itself.
 """
 import argparse
@@ -181,16 +190,70 @@ def killed(ranks, args) -> None:
     print(f"rank {ranks.rank}: still alive after 60 s", flush=True)
 
 
+def frozen(ranks, args) -> None:
+    comm = make_communicator("auto", ranks, Device("cpu", np.float64))
+    buf = np.ones(4096)
+    for step in range(10**9):
+        comm.watch.step = step
+        comm.all_reduce(buf, "avg")
+        if ranks.rank == ranks.world_size - 1 and step == 20:
+            print(f"rank {ranks.rank}: freezing at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def vanishing(ranks, args) -> None:
+    comm = make_communicator("auto", ranks, Device("cpu", np.float64))
+    buf = np.ones(16)
+    for step in range(10**9):
+        comm.watch.step = step
+        comm.all_reduce(buf)
+        if ranks.rank == ranks.world_size - 1 and step == 20:
+            os._exit(0)
+
+
+def hung(ranks, args) -> None:
+    """A collective that cannot run: the comm stream is held by a kernel that spins until a flag is set. It
+    stands for an NCCL kernel waiting for a peer that never comes (one process on one GPU cannot make NCCL
+    itself wait: NCCL refuses two ranks on one GPU), and like NCCL's kernels it gives up when the communicator
+    is aborted: the abort hook sets its flag (from a stream of its own, which does not wait for the comm
+    stream), then calls ncclCommAbort."""
+    import cupy
+    from numba import cuda
+
+    @cuda.jit
+    def spin(flag):
+        while cuda.atomic.add(flag, 0, 0) == 0:
+            pass
+    dev = Device(args.device, np.float32, gpu_index=ranks.gpu_index)
+    comm = make_communicator(args.comm, ranks, dev)
+    buf = dev.asarray(np.ones(1024, np.float32))
+    comm.all_reduce(buf)                        # one that completes
+    dev.synchronize()
+    flag = dev.zeros(1, np.int32)
+    release = cupy.cuda.Stream(non_blocking=True)
+    abort = comm.watchdog.abort
+    comm.watchdog.abort = lambda: (flag.set(np.ones(1, np.int32), stream=release), abort())
+    dev.launch(spin, 1, 1, flag, stream=dev.comm_stream)
+    comm.watch.step = 7
+    comm.all_reduce(buf)                        # queued behind the spin: never starts
+    print(f"rank {ranks.rank}: waiting at {time.time():.3f}", flush=True)
+    dev.synchronize()                           # blocks here until the watchdog acts
+    time.sleep(60)                              # the watchdog ends the process meanwhile
+    print(f"rank {ranks.rank}: still alive", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("collectives", "raise", "kill"))
+    p.add_argument("mode", choices=("collectives", "raise", "kill", "freeze", "vanish", "hang"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--comm", default="auto")
     p.add_argument("--error", default="llmz", choices=("llmz", "value"))
+    p.add_argument("--timeout", type=float, default=None)
     args = p.parse_args()
-    ranks = init_ranks()
+    ranks = init_ranks(collective_timeout=args.timeout)
     with abort_on_error(ranks):
-        {"collectives": collectives, "raise": failing, "kill": killed}[args.mode](ranks, args)
+        {"collectives": collectives, "raise": failing, "kill": killed, "freeze": frozen, "vanish": vanishing,
+         "hang": hung}[args.mode](ranks, args)
 
 
 if __name__ == "__main__":

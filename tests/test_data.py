@@ -1,6 +1,9 @@
 """The data loader reads exactly llm.c's batches: rank r's micro-batch i starts at (i mod n)*P*B*T + r*B*T,
 so P ranks together read what one rank reads with batch P*B; it wraps after n batches, shuffles the same
-way on every rank, and resumes exactly from its state."""
+way on every rank, and resumes exactly from its state; a file's fingerprint (the ranks compare them at start)
+is the same for every copy of it."""
+import os
+
 import numpy as np
 import pytest
 
@@ -140,3 +143,25 @@ def test_bad_batch_arguments_fail_with_one_line(stream):
     for kw in ({"B": 0, "T": 4}, {"B": 2, "T": -1}, {"B": 2, "T": 4, "rank": 2, "world_size": 2}):
         with pytest.raises(LlmzError):
             DataLoader(stream, **kw)
+
+
+def test_a_fingerprint_is_the_same_for_copies_and_differs_for_one_byte_whole_or_sampled(tmp_path, rng, monkeypatch):
+    import llmz.data
+    from llmz.data import fingerprint
+    tokens = rng.integers(0, 256, 50_000)
+    write_tokens(str(tmp_path / "a.bin"), tokens)
+    os.makedirs(tmp_path / "elsewhere")
+    write_tokens(str(tmp_path / "elsewhere" / "a.bin"), tokens)           # a copy under another name
+    assert fingerprint(str(tmp_path / "a.bin")) == fingerprint(str(tmp_path / "elsewhere" / "a.bin"))
+    changed = tokens.copy()
+    changed[rng.integers(tokens.size)] ^= 1                             # one token anywhere: hashed whole
+    write_tokens(str(tmp_path / "b.bin"), changed)
+    assert fingerprint(str(tmp_path / "b.bin")) != fingerprint(str(tmp_path / "a.bin"))
+    # large files: 64 blocks spread evenly, first and last included; a byte inside a sampled block counts
+    monkeypatch.setattr(llmz.data, "WHOLE_HASH_BYTES", 4096)
+    monkeypatch.setattr(llmz.data, "SAMPLE_BYTES", 256)
+    changed = tokens.copy()
+    changed[-1] ^= 1
+    write_tokens(str(tmp_path / "c.bin"), changed)
+    assert fingerprint(str(tmp_path / "c.bin")) != fingerprint(str(tmp_path / "a.bin"))
+    assert fingerprint(str(tmp_path / "a.bin"))[0] == os.path.getsize(tmp_path / "a.bin")

@@ -360,3 +360,62 @@ def test_file_modules_import_no_numba():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---- names at the filesystem's limits; the log and its lock ------------------------------------------------------
+def test_a_file_of_the_longest_name_is_written_through_a_temporary_name_cut_to_fit(tmp_path, monkeypatch):
+    from llmz.data import atomic_write
+    from llmz.files import fit_name, name_limits, nbytes
+    name_max = name_limits(str(tmp_path))[0]
+    seen = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: seen.append(os.path.basename(src)) or real(src, dst))
+    for name in ("é" * ((name_max - 4) // 2) + ".bin", "m" * name_max):   # two-byte characters, and ASCII
+        atomic_write(str(tmp_path / name), [b"payload"])
+        assert (tmp_path / name).read_bytes() == b"payload"
+    assert all(nbytes(t) <= name_max and t.endswith(".tmp") for t in seen), seen
+    # side names (locks): the name itself when it fits, else cut with a hash of the whole name
+    assert fit_name(str(tmp_path / "run.jsonl"), ".lock") == str(tmp_path / "run.jsonl.lock")
+    a, b = (fit_name(str(tmp_path / (c * name_max)), ".lock") for c in "ab")
+    assert a != b and all(nbytes(os.path.basename(x)) <= name_max and x.endswith(".lock") for x in (a, b))
+    assert fit_name(str(tmp_path / ("a" * name_max)), ".lock") == a                       # the same every time
+
+
+def test_check_log_takes_llmz_logs_and_a_torn_last_line_and_refuses_anything_else(tmp_path):
+    from llmz.files import check_log
+    cases = {"empty": ("", None), "new": (None, None),
+             "log": ('{"event": "start"}\n{"step": 0, "loss": 5.0}\n', None),
+             "torn": ('{"event": "start"}\n{"step": 0, "lo', None), "torn start": ('{"event": "start", "con', None),
+             "notes": ("my notes\n", "line 1, 'my notes', is not a start record"),
+             "json but no start": ('{"step": 0}\n', "line 1"), "a list": ('[1, 2]\n', "line 1"),
+             "note inside": ('{"event": "start"}\nhello\n{"step": 1}\n', "line 2, 'hello', is not a JSON record"),
+             "binary": ("\x00\x01\x02" * 1000, "line 1")}
+    for what, (text, expect) in cases.items():
+        path = tmp_path / f"{what}.jsonl"
+        if text is not None:
+            path.write_text(text)
+        if expect is None:
+            check_log(str(path))
+        else:
+            with pytest.raises(LlmzError) as e:
+                check_log(str(path))
+            assert f"--log {path}: not an llmz log ({expect}" in one_line_error(e, "--log"), what
+
+
+def test_an_open_log_is_locked_under_every_name_and_truncated_only_once_locked(tmp_path):
+    from llmz.files import JsonLog, check_not_written
+    log = tmp_path / "run.jsonl"
+    first = JsonLog(str(log))
+    first.write({"event": "start"})
+    os.link(log, tmp_path / "hard.jsonl")
+    os.symlink(log, tmp_path / "soft.jsonl")
+    for name in ("hard.jsonl", "soft.jsonl", "run.jsonl"):
+        with pytest.raises(LlmzError) as e:
+            JsonLog(str(tmp_path / name))                  # a second run's log, another name, same file
+        assert f"is in use by another run (pid {os.getpid()}), which writes the same file" in str(e.value)
+        with pytest.raises(LlmzError):
+            check_not_written(str(tmp_path / name), "log")
+    assert log.read_text() == '{"event": "start"}\n'      # not truncated by the refused ones
+    first.close()
+    JsonLog(str(tmp_path / "hard.jsonl")).close()          # free once the first is closed
+    assert log.read_text() == ""

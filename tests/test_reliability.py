@@ -7,6 +7,7 @@ on one rank of mpiexec ends the job within seconds. Runs are tiny and on the CPU
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from llmz.launch import RankInfo
 from llmz.lock import Lock
 from llmz.state import DONE_FILE, checkpoints, latest_checkpoint, load_checkpoint, prune, read_state, step_dir
 from llmz.tokenizer import read_tokenizer, write_tokenizer
-from mpirun import REPO, run_mpi
+from mpirun import REPO, cpu_cores, find_mpiexec, mpiexec_command, mpiexec_version, run_mpi
 
 HERE = RankInfo(0, 1, 0, 1, "here")
 TINY = ["--device", "cpu", "--model", "tiny", "-b", "2", "-t", "8", "--val-batches", "1", "--sample-tokens", "4",
@@ -429,15 +430,15 @@ def test_two_train_commands_on_one_checkpoint_folder_the_second_is_refused(tmp_p
 
 
 # ---- Ctrl-C -------------------------------------------------------------------------------------------------------
-def interrupt(cmd: list, ready, timeout: float = 90) -> subprocess.CompletedProcess:
-    """Start `cmd`, wait until ready() is true, send SIGINT (Ctrl-C), return the finished process."""
+def interrupt(cmd: list, ready, timeout: float = 90, sig=signal.SIGINT) -> subprocess.CompletedProcess:
+    """Start `cmd`, wait until ready() is true, send `sig` (SIGINT: Ctrl-C), return the finished process."""
     p = subprocess.Popen([sys.executable, *map(str, cmd)], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
         while not ready() and time.time() - t0 < timeout and p.poll() is None:
             time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         out, err = p.communicate(timeout=30)
     finally:
         if p.poll() is None:
@@ -504,3 +505,185 @@ def test_resume_with_other_training_data_says_so(tmp_path, capsys):
     train_here("--steps", 2, "--resume", "--checkpoint-dir", ck, "--train-data", other)
     out = capsys.readouterr().out
     assert "changed: " in out and f"--train-data {other} (was " in out
+
+
+# ---- the same file under another name; a --log that is not a log; another run's checkpoint -------------------
+def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
+    from llmz.files import JsonLog
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    os.makedirs(ck)
+    live = JsonLog(str(log))                     # what a live run holds: its log open (and locked) ...
+    live.write({"event": "start"})
+    lock = Lock(str(ck / "llmz.lock"), "it")     # ... and its folder's lock
+    lock.acquire()
+    os.symlink(log, tmp_path / "alias.jsonl")
+    os.link(log, tmp_path / "hard.jsonl")
+    os.symlink(ck, tmp_path / "ckalias")
+    try:
+        for name in ("alias.jsonl", "hard.jsonl", "./run.jsonl"):
+            with pytest.raises(LlmzError) as e:         # refused at start, on every rank alike: status 2
+                train_here("--steps", 1, "--log", f"{tmp_path}/{name}")
+            assert "is in use by another run" in one_line(e) and e.value.exit_code == 2, name
+        for folder in (tmp_path / "ckalias", f"{ck}/../ck"):
+            with pytest.raises(LlmzError, match="is in use by another run"):
+                train_here("--steps", 1, "--checkpoint-dir", folder)
+        assert log.read_text() == '{"event": "start"}\n'        # nothing truncated, nothing appended
+    finally:
+        live.close()
+        lock.release()
+    train_here("--steps", 1, "--log", tmp_path / "hard.jsonl")  # the run ended: the same names are free
+    assert '"event": "end"' in log.read_text()
+
+
+def test_a_log_that_is_not_an_llmz_log_is_refused_and_left_as_it_is(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\nline 2\n")
+    for flags in ([], ["--resume", "--checkpoint-dir", tmp_path / "ck"]):
+        with pytest.raises(LlmzError) as e:
+            train_here("--steps", 1, "--log", notes, *flags)
+        assert "not an llmz log (line 1, 'my notes', is not a start record)" in one_line(e)
+    log = tmp_path / "run.jsonl"                 # a log with a note typed into it: a resume would trim it
+    train_here("--steps", 2, "--log", log, "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 1)
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[:2] + ["my note"] + lines[2:]) + "\n")
+    with pytest.raises(LlmzError, match="line 3, 'my note', is not a JSON record"):
+        train_here("--steps", 3, "--log", log, "--resume", step_dir(tmp_path / "ck", 1), "--checkpoint-dir",
+                   tmp_path / "ck2")
+    assert notes.read_text() == "my notes\nline 2\n" and "my note\n" in log.read_text()
+
+
+def test_a_checkpoint_of_another_run_is_named_and_refused_unless_the_user_says_so(tmp_path, capsys):
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    train_here("--steps", 2, "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl")
+    train_here("--steps", 4, "--checkpoint-dir", other, "--seed", 7)
+    shutil.copytree(step_dir(other, 4), step_dir(ck, 4))                 # copied in beside this run's
+    mine, theirs = (json.loads(Path(step_dir(d, s), DONE_FILE).read_text())["run_id"] for d, s in ((ck, 2), (other, 4)))
+    assert mine != theirs and load_checkpoint(step_dir(ck, 4)).meta["run_id"] == theirs
+    with pytest.raises(LlmzError) as e:
+        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck)
+    assert one_line(e) == (f"--resume {step_dir(ck, 4)} is a checkpoint of run {theirs}, but checkpoint "
+                           f"{step_dir(ck, 2)} belongs to run {mine} (a checkpoint copied from another run?); to "
+                           f"continue run {theirs} there anyway, add --resume-other-run")
+    shutil.rmtree(step_dir(ck, 2))              # the folder alone no longer tells, the log still does
+    with pytest.raises(LlmzError, match=f"but log {tmp_path / 'run.jsonl'} belongs to run {mine}"):
+        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl")
+    capsys.readouterr()
+    train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl", "--resume-other-run")
+    assert "continuing it, as --resume-other-run says" in capsys.readouterr().out
+    assert json.loads(Path(step_dir(ck, 6), DONE_FILE).read_text())["run_id"] == theirs      # its run goes on
+
+
+@pytest.mark.mpi
+def test_state_files_of_two_runs_are_refused_in_one_line_not_one_per_rank(tmp_path):
+    cmd = ["-m", "llmz.train", *TINY, "--steps", "2"]
+    for folder, seed in (("ck", "1"), ("ckB", "2")):
+        assert run_mpi(2, [*cmd, "--checkpoint-dir", str(tmp_path / folder), "--seed", seed]).returncode == 0
+    shutil.copy(tmp_path / "ckB" / "step_000002" / "state_rank1.bin", tmp_path / "ck" / "step_000002")
+    p = run_mpi(2, [*cmd[:-1], "4", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"], timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"error: {tmp_path}/ck/step_000002/state_rank1.bin: of another run (run id "), p.stderr
+
+
+@pytest.mark.mpi
+def test_ranks_that_read_different_data_are_refused_before_any_work_naming_the_rank_and_file(tmp_path):
+    for name, seed in (("a", 1), ("b", 2)):        # the same relative name, two folders, other tokens
+        (tmp_path / name).mkdir()
+        write_tokens(str(tmp_path / name / "t.bin"), np.random.default_rng(seed).integers(0, 256, 5000))
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    full = mpiexec_command(mpiexec, 2, [], mpiexec_version(mpiexec), os.geteuid() == 0, cpu_cores())
+    rank = ["-n", "1", sys.executable, "-m", "llmz.train", *TINY, "--steps", "2", "--train-data", "t.bin"]
+    p = subprocess.run([*full[:full.index("-n")], "-wdir", str(tmp_path / "a"), *rank, ":", "-wdir",
+                        str(tmp_path / "b"), *rank], capture_output=True, text=True, timeout=120, check=False,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "step" not in p.stdout, p.stderr
+    assert p.stderr.startswith("error: rank 1's --train-data file t.bin (11024 bytes, hash "), p.stderr
+    assert "differs from rank 0's t.bin (11024 bytes, hash " in p.stderr
+
+
+# ---- odd inputs: prompt bytes, token counts, names at the filesystem's limits -----------------------------------
+def test_any_bytes_of_a_prompt_encode_and_a_lone_surrogate_or_too_many_tokens_are_refused(tmp_path, capsys):
+    from llmz.sample import MAX_TOKENS, main
+    from llmz.tokenizer import ByteTokenizer
+    train_here("--steps", 1, "--save", tmp_path / "m.bin")
+    raw = bytes(range(256))                                     # every byte, as a command line brings them
+    assert ByteTokenizer().encode(os.fsdecode(raw)).tolist() == list(raw)
+    base = ["--init-from", str(tmp_path / "m.bin"), "--device", "cpu"]
+    assert main([*base, "--prompt", os.fsdecode(b"ab\xff\xfe"), "--tokens", "3"]) == 0
+    capsys.readouterr()
+    for argv, expect in [(["--prompt", "a\ud800"], "--prompt: character U+D800 at position 1 is a lone surrogate"),
+                         (["--tokens", str(MAX_TOKENS + 1)], f"--tokens {MAX_TOKENS + 1}: must be at most 1,000,000"),
+                         (["--tokens", str(2**63)], f"--tokens {2**63}: must be at most 1,000,000")]:
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {expect}") and err.count("\n") == 1, err
+
+
+def test_names_that_fit_the_filesystem_work_and_names_that_cannot_are_refused_at_start(tmp_path):
+    from llmz.files import name_limits
+    name_max, path_max = name_limits(str(tmp_path))
+    fits = "m" * (name_max - 4) + ".bin"                        # the longest name: its temporary name is cut
+    train_here("--steps", 1, "--save", tmp_path / fits, "--log", tmp_path / (fits[:-4] + ".log"),
+               "--checkpoint-dir", tmp_path / ("c" * name_max))
+    assert (tmp_path / fits).is_file() and load_checkpoint(latest_checkpoint(str(tmp_path / ("c" * name_max))))
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.lock"))
+    for flag, path, expect in [("--save", tmp_path / ("m" * name_max + "x"), f"bytes long; this filesystem allows {name_max}"),
+                               ("--log", tmp_path / ("x" * 300) / "run.jsonl", f"this filesystem allows {name_max}"),
+                               ("--checkpoint-dir", tmp_path.joinpath(*["c" * 200] * (path_max // 200)), "is too long")]:
+        with pytest.raises(UsageError) as e:
+            args_of("--steps", 1, flag, path)
+        assert one_line(e).startswith(f"{flag}: ") and expect in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["c" * name_max]     # nothing made
+
+
+def test_a_lock_left_by_a_zombie_is_taken_over_at_once(tmp_path, capsys):
+    from llmz.lock import process_state
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])      # exits; not reaped: a zombie holds its pid
+    while process_state(dead.pid)[0] != "Z":
+        time.sleep(0.01)
+    lock = tmp_path / "run.jsonl.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0,
+                                "tick": process_state(dead.pid)[1]}))
+    train_here("--steps", 1, "--log", tmp_path / "run.jsonl")
+    assert f"was locked by pid {dead.pid}" in capsys.readouterr().out
+    dead.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_end_a_run_in_one_line_with_the_step_and_the_last_checkpoint(tmp_path, sig):
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    p = interrupt(["-m", "llmz.train", *TINY, "--steps", "100000", "--checkpoint-dir", ck, "--checkpoint-every",
+                   "20", "--log", log], lambda: log.exists() and '"event": "checkpoint"' in log.read_text(), sig=sig)
+    assert p.returncode == 128 + sig, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"terminated by {sig.name} at step "), p.stderr
+    assert f"last checkpoint {latest_checkpoint(str(ck))}; log {log}" in p.stderr
+    # nohup: an ignored SIGHUP stays ignored
+    code = ("import signal, os; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from llmz.launch import abort_on_error\nwith abort_on_error():\n    os.kill(os.getpid(), signal.SIGHUP)\n"
+            "print('still here')")
+    assert run_cli("-c", code).stdout == "still here\n"
+
+
+@pytest.mark.mpi
+def test_mpi_refuses_to_start_under_a_file_size_limit_it_cannot_work_with_in_one_line(tmp_path):
+    import resource
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (51200, 51200)); "    # ulimit -f 50
+            "from llmz.train import main; sys.exit(main(sys.argv[1:]))")
+    p = run_mpi(2, ["-c", code, *TINY, "--steps", "1"], timeout=60)
+    assert p.returncode == 2 and p.stderr == ("error: the file-size limit (ulimit -f) is 50.00 KiB: MPI's start-up "
+                                              "writes shared-memory files of several MiB and dies under it; raise it "
+                                              "(ulimit -f unlimited, or at least 16 MiB)\n"), p.stderr
+    # one process needs no MPI: it trains under the same limit
+    assert run_cli("-c", code, *TINY, "--steps", "1").returncode == 0
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] != 51200
+
+
+def test_a_checkpoint_folder_written_again_drops_what_a_killed_writer_left(tmp_path):
+    from llmz.state import prepare_step_dir
+    folder = tmp_path / "step_000020"
+    folder.mkdir()
+    for name in ("DONE", "state_rank0.bin", "state_rank1.bin.4f3iiiwp.tmp", "model.bin.x1y2z3w4.tmp", "state_rank3.bin"):
+        (folder / name).write_text("earlier attempt")
+    prepare_step_dir(str(folder), world_size=2)         # before any rank of this attempt writes there
+    assert sorted(p.name for p in folder.iterdir()) == ["state_rank0.bin"]

@@ -1,4 +1,4 @@
-"""Re-measure issue 19: bad inputs and faults against llmz.train, llmz.sample and checkpoint folders.
+"""Re-measure bad inputs and faults against llmz.train, llmz.sample and checkpoint folders.
 
     python tools/hostile_check.py [-k SUBSTRING] [--timeout S]
 
@@ -14,9 +14,14 @@ repository), an optional setup that makes the files it needs, and an expectation
     fail     refused at start, or stopped later with one `error:` line that names the step
     runs     exit 0
     either   refused at start, or exit 0 (both are documented behaviours)
+  and, for faults made while the job runs (a rank stopped or killed, a signal: the case's `during`):
+    watchdog exit 124 within --collective-timeout + 10 s of the fault, one line from every other rank naming
+             the collective, the step and the stopped rank ("did not arrive"), the last checkpoint loads
+    ends     a non-zero exit within 10 s of the fault, no traceback (a killed rank: the launcher ends the job)
+    signal   exit 128 + the signal within 10 s, one line "terminated by SIG... at step N; last checkpoint ..."
 
 plus post-checks (a file that must or must not exist, the log's end record). Always checked: no `*.tmp`
-file is left behind, `final.bin` (every train case passes `--save final.bin --log log.jsonl`) is absent
+file is left behind (but by a rank killed while writing one: watchdog and ends), `final.bin` (every train case passes `--save final.bin --log log.jsonl`) is absent
 after a failure, and every model or training-state file the run left is finite (read with llmz's readers).
 
 Each outcome is one of:
@@ -55,11 +60,14 @@ sys.path.insert(0, str(REPO))
 
 from llmz.checkpoint import MODEL_MAGIC, load_model
 from llmz.config import GPT2Config, preset
-from llmz.data import HEADER_BYTES, TOKENS_MAGIC
+from llmz.data import HEADER_BYTES, TOKENS_MAGIC, write_tokens
 from llmz.errors import LlmzError
-from llmz.lock import Lock
-from llmz.state import read_state, write_state
+from llmz.files import JsonLog
+from llmz.launch import rank_pids
+from llmz.lock import Lock, process_state
+from llmz.state import latest_checkpoint, load_checkpoint, read_state, write_state
 from llmz.tokenizer import TOKENIZER_MAGIC, write_tokenizer
+from llmz.watchdog import TIMEOUT_EXIT
 
 SHIPPED_VAL = REPO / "data" / "shakespeare_val.bin"
 SHIPPED_BYTE_TOKENIZER = REPO / "data" / "byte_tokenizer.bin"
@@ -99,6 +107,17 @@ def sample_model(*flags: str) -> list[str]:
 def mpiexec() -> str:
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+WATCH_TIMEOUT = 5           # --collective-timeout of the cases that stop a rank
+
+
+def ranks_train(n: int, stage: int, *flags: str) -> list[str]:
+    """mpiexec -n n llmz.train on the tiny model, long enough to be stopped midway: a checkpoint every 5 steps,
+    the collective watchdog at WATCH_TIMEOUT seconds."""
+    return [mpiexec(), "-n", str(n), *train("--steps", "100000", "--comm", "mpi", "--zero-stage", str(stage),
+                                            "--checkpoint-dir", "{d}/ck", "--checkpoint-every", "5",
+                                            "--collective-timeout", str(WATCH_TIMEOUT), *flags)]
 
 
 # ---- writing files, good and bad -------------------------------------------------------------------------
@@ -150,10 +169,14 @@ def make_fixtures(fx: Path, timeout: float) -> None:
     cmd = [sys.executable, "-m", "llmz.train", "--model", "tiny", "--max-seq-len", "64", "--steps", "2",
            "--batch-size", "2", "--seq-len", "16", "--val-batches", "1", "--sample-tokens", "0", "--device", "cpu",
            "--save", str(fx / "model.bin"), "--checkpoint-dir", str(fx / "ck")]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=fx, env=child_env(),
-                       timeout=max(timeout, 120))
-    if r.returncode != 0 or not (fx / "ck" / "step_000002" / "DONE").exists():
-        sys.exit(f"cannot make the fixtures: {shlex.join(cmd)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+    # and another run's checkpoint (another seed): the step folder of it that a case copies in beside ck's
+    other = [*cmd[:cmd.index("--save")], "--seed", "7", "--checkpoint-dir", str(fx / "ck_other")]
+    other[other.index("--steps") + 1] = "4"
+    for c in (cmd, other):
+        r = subprocess.run(c, check=False, capture_output=True, text=True, cwd=fx, env=child_env(),
+                           timeout=max(timeout, 120))
+        if r.returncode != 0:
+            sys.exit(f"cannot make the fixtures: {shlex.join(c)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
     model = (fx / "model.bin").read_bytes()
     # model files
     (fx / "model_empty.bin").write_bytes(b"")
@@ -302,6 +325,113 @@ def make_folder(rel: str):
     return setup
 
 
+def live_log(rel: str = "log.jsonl"):
+    """An llmz log that a live run writes now (llmz's own JsonLog, held open by this checker: its lock on the
+    file is what a run holds)."""
+    def setup(d: Path) -> None:
+        log = JsonLog(str(d / rel))
+        log.write({"event": "start"})
+        KEEP_ALIVE.append(log)
+    return setup
+
+
+def symlink(rel: str, target: str):
+    def setup(d: Path) -> None:
+        os.symlink(target, d / rel)
+    return setup
+
+
+def hardlink(rel: str, target: str):
+    def setup(d: Path) -> None:
+        os.link(d / target, d / rel)
+    return setup
+
+
+def both(*setups):
+    def setup(d: Path) -> None:
+        for s in setups:
+            s(d)
+    return setup
+
+
+def write_text(rel: str, text: str):
+    def setup(d: Path) -> None:
+        (d / rel).write_text(text)
+    return setup
+
+
+def zombie_lock(rel: str):
+    """A lock whose owner has exited but is not yet reaped (a zombie: a rank that just crashed under mpiexec)."""
+    def setup(d: Path) -> None:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        while process_state(child.pid)[0] != "Z":
+            time.sleep(0.01)
+        KEEP_ALIVE.append(child)                # reaped only when the checker ends
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(json.dumps({"pid": child.pid, "host": socket.gethostname(), "started": time.time(),
+                                         "tick": process_state(child.pid)[1]}) + "\n")
+    return setup
+
+
+def other_run_checkpoint(d: Path) -> None:
+    """d/ck holds this run's step 2 (seed 1337); step 4 of another run (seed 7) is copied in beside it."""
+    fx = d.parent / "fixtures"
+    shutil.copytree(fx / "ck", d / "ck")
+    shutil.copytree(fx / "ck_other" / "step_000004", d / "ck" / "step_000004")
+
+
+def two_rank_checkpoint_mixed(d: Path) -> None:
+    """A 2-rank checkpoint whose rank-1 state comes from another run of the same shape (another seed)."""
+    for folder, seed in (("ck", "1337"), ("ckB", "7")):
+        subprocess.run([mpiexec(), "-n", "2", *[a.replace("{python}", sys.executable) for a in train(
+            "--steps", "2", "--checkpoint-dir", str(d / folder), "--seed", seed, "--save", str(d / "x.bin"),
+            "--log", str(d / "x.jsonl"))]], cwd=d, env=child_env(), capture_output=True, check=True, timeout=300)
+    shutil.copy(d / "ckB" / "step_000002" / "state_rank1.bin", d / "ck" / "step_000002" / "state_rank1.bin")
+    for junk in ("x.bin", "x.jsonl"):
+        (d / junk).unlink()
+
+
+def data_per_folder(d: Path) -> None:
+    """Two folders, each with a t.bin of the same size and other tokens: ranks started in each read either."""
+    for name, seed in (("a", 1), ("b", 2)):
+        (d / name).mkdir()
+        write_tokens(str(d / name / "t.bin"), np.random.default_rng(seed).integers(0, 256, 5000))
+
+
+KEEP_ALIVE: list = []           # what a setup must keep open or unreaped until the checker ends
+
+
+# ---- faults made while a case runs: each during(proc, d) acts, and returns when it did --------------------------
+def steps_logged(d: Path, n: int, proc, limit: float = 240) -> None:
+    """Wait until the case's log holds n step records (or the job ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit and proc.poll() is None:
+        try:
+            if sum('"loss"' in line for line in (d / "log.jsonl").read_text().splitlines()) >= n:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+
+
+def to_rank(rank: int, sig: int, after: int = 12):
+    """Once `after` steps are logged, send `sig` to one rank of the mpiexec job."""
+    def during(proc, d: Path) -> float:
+        steps_logged(d, after, proc)
+        os.kill(rank_pids(proc.pid)[rank], sig)
+        return time.monotonic()
+    return during
+
+
+def to_process(sig: int, after: int = 12):
+    """Once `after` steps are logged, send `sig` to the command (a single-process llmz.train)."""
+    def during(proc, d: Path) -> float:
+        steps_logged(d, after, proc)
+        proc.send_signal(sig)
+        return time.monotonic()
+    return during
+
+
 # ---- post-checks: each returns a problem (a string) or None ---------------------------------------------
 def exists(rel: str):
     def check(d: Path) -> str | None:
@@ -312,6 +442,24 @@ def exists(rel: str):
 def absent(rel: str):
     def check(d: Path) -> str | None:
         return f"{rel} was written" if (d / rel).exists() else None
+    return check
+
+
+def checkpoint_loads(d: Path) -> str | None:
+    """The last complete checkpoint under d/ck reads back whole (the job ended around it)."""
+    try:
+        path = latest_checkpoint(str(d / "ck"))
+        if path is None:
+            return "no complete checkpoint left"
+        load_checkpoint(path)
+    except LlmzError as e:
+        return f"the last checkpoint does not load: {e}"
+    return None
+
+
+def unchanged(rel: str, text: str):
+    def check(d: Path) -> str | None:
+        return None if (d / rel).read_text() == text else f"{rel} was changed"
     return check
 
 
@@ -358,6 +506,9 @@ class Case:
     run_checks: list = field(default_factory=list)  # only after exit 0
     timeout: float | None = None                  # None: --timeout
     planted: tuple[str, ...] = ()                 # non-finite files the setup planted on purpose
+    during: object = None                         # during(proc, d) while it runs: a fault; returns its time
+    ranks: int = 1                                # watchdog: ranks in the job (all but one speak)
+    bound: float = 10.0                           # watchdog, ends, signal: seconds from the fault to the end
 
 
 def cases() -> list[Case]:
@@ -549,6 +700,91 @@ def cases() -> list[Case]:
     add("train --checkpoint-dir with a stale lock", train("--checkpoint-dir", "{d}/ck"), "runs",
         setup=stale_lock("ck/llmz.lock"), run_checks=survive)
 
+    # outputs: the same file under another name; a --log that is not a log; names the filesystem cannot hold
+    notes = "my notes\nline 2\n"
+    add("train --log alias.jsonl -> log.jsonl, locked by a live run", train("--log", "{d}/alias.jsonl"),
+        "refuse", setup=both(live_lock("log.jsonl.lock"), symlink("alias.jsonl", "log.jsonl")))
+    add("train --log a hard link of a log a live run writes", train("--log", "{d}/hard.jsonl"), "refuse",
+        setup=both(live_log(), hardlink("hard.jsonl", "log.jsonl")))
+    add("train --log DIR/./log.jsonl, locked by a live run", train("--log", "{d}/./log.jsonl"), "refuse",
+        setup=live_lock("log.jsonl.lock"))
+    add("train --checkpoint-dir a symlink to a folder locked by a live run",
+        train("--checkpoint-dir", "{d}/alias"), "refuse", setup=both(live_lock("ck/llmz.lock"), symlink("alias", "ck")))
+    add("train --log notes.txt (not an llmz log)", train("--log", "{d}/notes.txt"), "refuse",
+        setup=write_text("notes.txt", notes), checks=[unchanged("notes.txt", notes)])
+    add("train --resume latest --log notes.txt (not an llmz log)",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--log", "{d}/notes.txt"), "refuse",
+        setup=both(copy_checkpoint, write_text("notes.txt", notes)), checks=[unchanged("notes.txt", notes)])
+    add("train --resume --log with a note typed into the middle of it",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--log", "{d}/run.jsonl"), "refuse",
+        setup=both(copy_checkpoint, write_text("run.jsonl", '{"event": "start"}\nmy note\n{"step": 0}\n')))
+    add("train --resume --log whose last line is torn (a crash)",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--log", "{d}/run.jsonl"), "runs",
+        setup=both(copy_checkpoint, write_text("run.jsonl", '{"event": "start"}\n{"step": 0, "lo')),
+        run_checks=[log_ended("run.jsonl")])
+    add("train --resume latest takes a step folder copied from another run",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--steps", "6"), "refuse",
+        setup=other_run_checkpoint)
+    add("train --resume latest --resume-other-run takes it, as told",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--steps", "6", "--resume-other-run"),
+        "runs", setup=other_run_checkpoint, run_checks=survive)
+    long = "m" * 251
+    add("train --save a 255-byte name (fits)", train("--save", f"{{d}}/{long}.bin"), "runs",
+        run_checks=[exists(f"{long}.bin")])
+    add("train --log and --checkpoint-dir of 255-byte names (fit)",
+        train("--log", f"{{d}}/{long}.log", "--checkpoint-dir", f"{{d}}/{long}.ckp"), "runs",
+        run_checks=[log_ended(f"{long}.log")])
+    add("train --save a 256-byte name", train("--save", f"{{d}}/{long}x.bin"), "refuse")
+    add("train --save a 260-byte name", train("--save", f"{{d}}/{long}xxxxx.bin"), "refuse")
+    add("train --log a 256-byte name", train("--log", f"{{d}}/{long}.json"), "refuse")
+    add("train --trace whose picture's name would be 258 bytes",
+        train("--trace", "{d}/" + "t" * 254, "--zero-stage", "2"), "refuse")
+    add("train --checkpoint-dir a path too long for the files inside",
+        train("--checkpoint-dir", "{d}/" + "/".join(["c" * 250] * 16)), "refuse")
+    add("train --log with a lock of a zombie process (a rank just crashed)", train(), "runs",
+        setup=zombie_lock("log.jsonl.lock"), run_checks=[log_ended()])
+    add("train --checkpoint-dir with a lock of a zombie process", train("--checkpoint-dir", "{d}/ck"), "runs",
+        setup=zombie_lock("ck/llmz.lock"), run_checks=survive)
+
+    # llmz.sample: any bytes in a prompt; a bounded number of tokens
+    for what, prompt in [("bytes that are not UTF-8", "ab\udcff\udcfe"), ("an encoded surrogate", "\udced\udca0\udc80x")]:
+        add(f"sample --prompt with {what}", sample_model("--prompt", prompt), "runs")
+    for value in ("1000001", "1000000000", "9223372036854775808"):
+        add(f"sample --tokens {value}", sample_model("--tokens", value), "refuse")
+    add("train --sample-tokens 1000000000", train("--sample-tokens", "1000000000"), "refuse")
+
+    # signals: SIGTERM and SIGHUP end a run as Ctrl-C does
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        add(f"train, {sig.name} while it runs", train("--steps", "100000", "--checkpoint-dir", "{d}/ck",
+                                                      "--checkpoint-every", "5"),
+            "signal", during=to_process(sig), checks=[checkpoint_loads], timeout=300)
+
+    # several ranks
+    mpi = [mpiexec(), "-n", "2"]
+    add("mpiexec -n 2 with ranks that read different data (a relative --train-data from two folders)",
+        [mpiexec(), "-n", "1", "-wdir", "{d}/a", *train("--train-data", "t.bin"), ":", "-n", "1", "-wdir", "{d}/b",
+         *train("--train-data", "t.bin")], "refuse", setup=data_per_folder, timeout=120)
+    add("mpiexec -n 2, a checkpoint whose rank-1 state is of another run (one line, not one per rank)",
+        [*mpi, *train_from("--resume", "{d}/ck/step_000002")], "refuse", setup=two_rank_checkpoint_mixed,
+        timeout=120)
+    add("mpiexec -n 2 under ulimit -f 50 (MPI's shared memory cannot start)",
+        ["bash", "-c", 'ulimit -f 50 && exec "$@"', "bash", *mpi, *train()], "refuse", timeout=60)
+    for n in (2, 3):
+        for stage in (0, 1, 2, 3):
+            add(f"watchdog: {n} ranks, stage {stage}, one rank stopped (SIGSTOP)", ranks_train(n, stage), "watchdog",
+                during=to_rank(n - 1, signal.SIGSTOP), ranks=n, bound=WATCH_TIMEOUT + 10,
+                checks=[checkpoint_loads], timeout=300)
+    add("watchdog: 3 ranks, stage 2, rank 0 stopped", ranks_train(3, 2), "watchdog", during=to_rank(0, signal.SIGSTOP),
+        ranks=3, bound=WATCH_TIMEOUT + 10, checks=[checkpoint_loads], timeout=300)
+    add("watchdog: 2 ranks, stage 2, bf16, one rank stopped", ranks_train(2, 2, "--precision", "bf16"), "watchdog",
+        during=to_rank(1, signal.SIGSTOP), ranks=2, bound=WATCH_TIMEOUT + 10, checks=[checkpoint_loads], timeout=300)
+    add("2 ranks, stage 2, one rank killed (SIGKILL)", ranks_train(2, 2), "ends", during=to_rank(1, signal.SIGKILL),
+        checks=[checkpoint_loads], timeout=300)
+    add("3 ranks, stage 3, one rank killed (SIGKILL)", ranks_train(3, 3), "ends", during=to_rank(2, signal.SIGKILL),
+        checks=[checkpoint_loads], timeout=300)
+    add("2 ranks, SIGTERM to every rank (mpiexec forwards it)", ranks_train(2, 1), "signal",
+        during=to_process(signal.SIGTERM), checks=[checkpoint_loads], timeout=300)
+
     # two ranks: a bad flag must end the whole job at once
     mpi = [mpiexec(), "-n", "2"]
     add("mpiexec -n 2 train --steps -3", [*mpi, "{python}", "-m", "llmz.train", "--steps", "-3"], "refuse",
@@ -566,12 +802,17 @@ def child_env() -> dict:
     return env
 
 
-def run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str, str, float]:
-    """-> (exit status or None on timeout, stdout, stderr, seconds). On a timeout the whole process group
-    (mpiexec and its ranks too) is killed."""
+def run(cmd: list[str], cwd: Path, timeout: float, during=None) -> tuple[int | None, str, str, float, float | None]:
+    """-> (exit status or None on timeout, stdout, stderr, seconds, seconds from the fault `during` made to the
+    end, or None). On a timeout the whole process group (mpiexec and its ranks too) is killed."""
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    # a fault made while it runs: the pipes are read meanwhile, so that a chatty job never blocks on them
+    fault = []
+    if during is not None:
+        import threading
+        threading.Thread(target=lambda: fault.append(during(p, cwd)), daemon=True).start()
     try:
         out, err = p.communicate(timeout=timeout)
         rc = p.returncode
@@ -579,10 +820,36 @@ def run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str, str
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         rc = None
-    return rc, out, err, time.monotonic() - t0
+    end = time.monotonic()
+    return rc, out, err, end - t0, end - fault[0] if fault else None
 
 
-def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str]) -> tuple[str, str]:
+def judge_fault(case: Case, rc: int, err_lines: list[str], took: float | None) -> tuple[str, str]:
+    """The faults made while a job runs: watchdog, ends, signal (see the module docstring)."""
+    if took is None:
+        return "WRONG", "the job ended before the fault was made"
+    if took > case.bound:
+        return "HANG", f"ended {took:.1f} s after the fault, beyond {case.bound:g} s"
+    if case.expect == "watchdog":
+        pattern = re.compile(r"^rank \d+: error: collective watchdog: \w+ #\d+ at step \d+ .*: .*rank \d+ \(.*\) "
+                             r"did not arrive$")
+        if rc != TIMEOUT_EXIT:
+            return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
+        if len(err_lines) != case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
+            return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
+        return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
+    if case.expect == "ends":
+        return ("OK", f"exit {rc} {took:.1f} s after the kill" + (f": {err_lines[0]}" if err_lines else "")) \
+            if rc else ("WRONG", "exit 0 after a rank was killed")
+    sig = next(s for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) if s.name in case.name)
+    line = err_lines[0].split(": ", 1)[-1] if len(err_lines) == 1 else ""
+    if rc != 128 + sig or not re.match(rf"terminated by {sig.name} at step \d+; last checkpoint ", line):
+        return "WRONG", f"exit {rc}, lines {err_lines[:2]}"
+    return "OK", f"{took:.1f} s after the signal: {line}"
+
+
+def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str],
+          took: float | None = None) -> tuple[str, str]:
     """-> (class, what happened in a few words)."""
     if rc is None:
         return "HANG", "no exit within the timeout"
@@ -590,6 +857,9 @@ def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str]) -
         last = [line for line in (out + err).splitlines() if line.strip()]
         return "TRACEBACK", last[-1] if last else ""
     err_lines = [line for line in err.splitlines() if line.strip()]
+    if case.expect in ("watchdog", "ends", "signal"):
+        cls, what = judge_fault(case, rc, err_lines, took)
+        return ("WRONG", "; ".join(problems)) if cls == "OK" and problems else (cls, what)
     started = any(STARTED.match(line) for line in out.splitlines())
     if rc == 0:
         noise = [line for line in err_lines if not line.startswith("note:")]
@@ -626,14 +896,16 @@ def run_case(case: Case, root: Path, n: int, timeout: float) -> tuple[str, str, 
         case.setup(d)
     cmd = [a.replace("{python}", sys.executable).replace("{fx}", str(root / "fixtures")).replace("{d}", str(d))
            for a in case.argv]
-    rc, out, err, secs = run(cmd, d, case.timeout or timeout)
-    problems = [p for check in case.checks + [no_tmp_files] for p in [check(d)] if p]
+    rc, out, err, secs, took = run(cmd, d, case.timeout or timeout, case.during)
+    # a rank stopped then killed (watchdog, ends) may leave the temporary file it was writing: never a final name
+    always = [] if case.expect in ("watchdog", "ends") else [no_tmp_files]
+    problems = [p for check in case.checks + always for p in [check(d)] if p]
     problems += [p for p in [all_saved_finite(d, case.planted)] if p]
     if rc == 0:
         problems += [p for check in case.run_checks for p in [check(d)] if p]
     elif rc is not None:
         problems += [p for p in [absent("final.bin")(d)] if p]
-    cls, what = judge(case, rc, out, err, problems)
+    cls, what = judge(case, rc, out, err, problems, took)
     shown = " ".join(shlex.quote(a) for a in cmd).replace(str(root), "$TMP").replace(sys.executable, "python")
     text = (err + ("\n" if err and out else "") + out).strip()
     return cls, what, shown, secs, rc, text

@@ -1,0 +1,227 @@
+"""A collective that never returns (llmz.watchdog): a stopped rank is named by the others, who end the job
+within --collective-timeout + 10 s, the last complete checkpoint intact; the MPI wait is non-blocking calls
+tested against a deadline; on a GPU the NCCL communicator is aborted by a thread on the host.
+
+The bounds are generous on purpose: the 2-core CI machine runs these ranks beside other work, and what is
+checked is "ends, one line per surviving rank, naming the stopped rank", never a time to the millisecond."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from llmz import watchdog
+from llmz.launch import rank_pids
+from llmz.state import latest_checkpoint, load_checkpoint
+from llmz.watchdog import BEAT, DONE, OP, POSTED, STEP, TIMEOUT_EXIT, Watch, peek_timeout
+from mpirun import find_mpiexec, is_open_mpi, mpiexec_version, run_mpi, start_mpi
+
+WORKER = "tests/mpi_comm_worker.py"
+TIMEOUT = 3                      # --collective-timeout of these tests
+SLACK = 10                       # the job must end within TIMEOUT + SLACK once a rank stops
+GPU_TIMEOUT = 20                 # on a GPU the first steps compile kernels: ranks may be seconds apart
+
+
+def llmz_lines(stderr: str) -> list[str]:
+    """The lines llmz's ranks wrote. MPICH's launcher adds none (llmz silences its MPI_Abort line); Open MPI's
+    mpirun prints a banner of its own after an MPI_Abort, which is not llmz's to count."""
+    lines = stderr.strip().splitlines()
+    if is_open_mpi(mpiexec_version(find_mpiexec() or "")):
+        lines = [line for line in lines if line.startswith(("rank ", "error:"))]
+    return lines
+
+
+def test_the_timeout_is_read_from_the_command_line_before_the_flags_are_checked():
+    assert peek_timeout(["--model", "tiny", "--collective-timeout", "7.5"]) == 7.5
+    assert peek_timeout(["--collective-timeout=3"]) == 3.0
+    assert peek_timeout(["--steps", "3"]) is None
+    for bad in ("0", "-1", "nan", "inf", "x"):      # the flag check refuses these; start-up keeps the default
+        assert peek_timeout(["--collective-timeout", bad]) is None
+
+
+def board(posted: int, done: int, step: int, op: str = "all_reduce") -> np.ndarray:
+    b = np.zeros(watchdog.SLOTS, np.int64)
+    b[POSTED], b[DONE], b[STEP], b[OP] = posted, done, step, watchdog.OPS.index(op)
+    return b
+
+
+@pytest.fixture
+def stopped_process():
+    """A process of this host in state T (SIGSTOP), as a frozen rank is."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(p.pid, signal.SIGSTOP)
+    while watchdog.process_state(p.pid)[0] != "T":
+        time.sleep(0.01)
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def three_ranks(neighbours=()) -> Watch:
+    """rank 0's Watch in a world of 3, without MPI (the survey is given, not read)."""
+    w = Watch(timeout=TIMEOUT)
+    w.rank, w.size, w.hosts = 0, 3, ["here"] * 3
+    w.neighbours = list(neighbours)
+    return w
+
+
+def test_the_line_names_the_rank_that_stopped_and_not_those_that_wait(stopped_process):
+    w = three_ranks([(2, stopped_process, None)])
+    # rank 1 waits in #45 as this rank does (its beat moves); rank 2 finished #44 and stands still
+    survey = {1: (board(45, 44, 21), True), 2: (board(44, 44, 20), False)}
+    assert w.missing(45, survey) == (f"rank 2 (it stopped after all_reduce #44 at step 20; its process, pid "
+                                     f"{stopped_process}, is stopped: SIGSTOP, or a debugger) did not arrive")
+    # rank 2 entered #45 and stands still inside it; rank 1 has finished #45 and moved on
+    survey = {1: (board(46, 45, 21, "barrier"), False), 2: (board(45, 44, 21), False)}
+    assert w.missing(45, survey).startswith("rank 2 (it stopped inside it;")
+    # behind: rank 1 still waits in #44, which rank 2 never finished (stopped inside all_gather #44)
+    survey = {1: (board(44, 43, 20), True), 2: (board(44, 43, 20, "all_gather"), False)}
+    assert "rank 2 (it stopped inside all_gather #44 at step 20;" in w.missing(45, survey)
+    assert "rank 1" not in w.missing(45, survey)
+    assert w.missing(45, {1: None, 2: (board(45, 44, 21), True)}) == "rank 1 (its board does not answer) did not arrive"
+    assert "every other rank waits" in w.missing(45, {1: (board(45, 44, 21), True), 2: (board(45, 44, 21), True)})
+
+
+def test_waiting_past_the_deadline_ends_the_job_and_a_dead_neighbour_at_once(monkeypatch):
+    ended = []
+
+    def end(line, code, on_expiry=None):
+        ended.append((line, code))
+        raise SystemExit(code)              # Watch.end never returns
+    w = Watch(timeout=TIMEOUT)
+    monkeypatch.setattr(w, "end", end)
+    seq = w.begin("reduce_scatter")
+    w.check("reduce_scatter", seq, 4, t0=100.0, now=100.0 + TIMEOUT / 2)       # within the deadline: nothing
+    assert not ended and w.board[BEAT] == 1
+    with pytest.raises(SystemExit):
+        w.check("reduce_scatter", seq, 4, t0=100.0, now=100.0 + TIMEOUT + 0.01)
+    line = (f"error: collective watchdog: reduce_scatter #1 at step 4 did not complete within --collective-timeout "
+            f"{TIMEOUT} s: the GPU never finished it")
+    assert ended == [(line, TIMEOUT_EXIT)]
+    # a rank of this host that has died (a zombie: exited, not yet reaped) is named at the next check
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    while watchdog.process_state(dead.pid)[0] != "Z":
+        time.sleep(0.01)
+    w = three_ranks([(1, dead.pid, watchdog.process_state(dead.pid)[1])])
+    monkeypatch.setattr(w, "end", end)
+    seq = w.begin("all_gather")
+    with pytest.raises(SystemExit):
+        w.check("all_gather", seq, 9, t0=100.0, now=100.1)
+    line = f"error: rank 1 (pid {dead.pid} on here) died; this rank waits for it in all_gather #1 at step 9"
+    assert ended[-1] == (line, watchdog.PEER_DIED_EXIT)
+    dead.wait()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_frozen_rank_is_named_by_every_other_and_the_job_ends_within_the_timeout(nproc):
+    p = run_mpi(nproc, [WORKER, "freeze", "--timeout", str(TIMEOUT)], timeout=120)
+    ended = time.time()
+    frozen = nproc - 1
+    lines = llmz_lines(p.stderr)
+    print(p.stdout, p.stderr)
+    assert p.returncode == TIMEOUT_EXIT, p.stderr
+    assert sorted(line.split(":")[0] for line in lines) == [f"rank {r}" for r in range(frozen)], lines
+    for line in lines:
+        assert f"all_reduce #45 at step 21 did not complete within --collective-timeout {TIMEOUT} s: rank {frozen} " \
+               f"(it stopped after all_reduce #44 at step 20; its process, pid " in line, line
+        assert line.endswith("is stopped: SIGSTOP, or a debugger) did not arrive"), line
+    froze = float(p.stdout.split("freezing at ")[1].split()[0])
+    assert ended - froze < TIMEOUT + SLACK, f"ended {ended - froze:.1f} s after the freeze"
+
+
+# ---- llmz.train itself: the issue's repro ------------------------------------------------------------------
+def train_and_freeze(tmp_path, nproc: int, stage: int, device: str = "cpu", timeout: float = TIMEOUT):
+    """mpiexec -n nproc llmz.train (--comm mpi) on a small model, checkpointing every 5 steps; once 12 steps are
+    logged, SIGSTOP the last rank -> (completed process, seconds from the stop to the end of the job)."""
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    model = ["--model", "tiny", "-b", "4", "-t", "16"] if device == "cpu" else ["--model", "d2", "-b", "4", "-t", "64"]
+    args = ["-m", "llmz.train", "--device", device, *model, "--comm", "mpi", "--zero-stage", str(stage),
+            "--steps", "100000", "--sample-tokens", "0", "--quiet", "--log", str(log), "--checkpoint-dir", str(ck),
+            "--checkpoint-every", "5", "--collective-timeout", str(timeout)]
+    proc = start_mpi(nproc, args)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 180 and proc.poll() is None:
+            if log.exists() and sum('"loss"' in line for line in log.read_text().splitlines()) >= 12:
+                break
+            time.sleep(0.1)
+        pids = rank_pids(proc.pid)
+        assert len(pids) == nproc, pids
+        os.kill(pids[nproc - 1], signal.SIGSTOP)
+        stopped = time.time()
+        out, err = proc.communicate(timeout=timeout + 120)
+        took = time.time() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), took
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nproc, stage, device", [(2, 2, "cpu"), (3, 3, "cpu"),
+                                                  pytest.param(2, 2, "gpu", marks=pytest.mark.gpu)])
+def test_a_frozen_training_rank_ends_the_job_in_one_line_per_rank_keeping_the_last_checkpoint(tmp_path, nproc, stage,
+                                                                                              device):
+    """The issue's repro: mpiexec -n N llmz.train --comm mpi, then kill -STOP one rank. On a GPU, two ranks share
+    the one GPU over MPI (NCCL refuses two ranks on one GPU)."""
+    timeout = TIMEOUT if device == "cpu" else GPU_TIMEOUT
+    p, took = train_and_freeze(tmp_path, nproc, stage, device, timeout)
+    print(f"{nproc} ranks, stage {stage}, {device}: exit {p.returncode} {took:.1f} s after the SIGSTOP\n{p.stderr}")
+    assert p.returncode == TIMEOUT_EXIT and took < timeout + SLACK, (p.returncode, took)
+    lines = llmz_lines(p.stderr)
+    assert len(lines) == nproc - 1 and all(" did not arrive" in line and f"rank {nproc - 1} (" in line
+                                           and "collective watchdog: " in line for line in lines), lines
+    step = int(lines[0].split(" at step ")[1].split()[0])
+    logged = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert step >= logged[-1], (step, logged[-1])        # the step the job was in when the rank stopped
+    ckpt = load_checkpoint(latest_checkpoint(str(tmp_path / "ck")))      # the last DONE checkpoint loads
+    assert ckpt.step % 5 == 0 and ckpt.step <= step + 1
+
+
+# ---- NCCL (skipped without a GPU) -------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_nccl_watchdog_aborts_a_collective_that_never_runs_and_ends_the_process():
+    """One rank with NCCL (so it needs no second GPU): a kernel that never ends holds the comm stream and an
+    all-reduce waits behind it; the watchdog thread must print one line, abort the communicator
+    (ncclCommAbort) and end the process, while the main thread is blocked in a CUDA synchronisation."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, WORKER, "hang", "--device", "gpu", "--comm", "nccl", "--timeout",
+                        str(TIMEOUT)], capture_output=True, text=True, timeout=TIMEOUT + 120, check=False,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    took = time.time() - t0
+    print(p.stdout, p.stderr, f"{took:.1f} s")
+    assert p.returncode == TIMEOUT_EXIT, p.stderr
+    assert p.stderr.strip() == (f"error: collective watchdog: all_reduce #2 at step 7 did not complete within "
+                                f"--collective-timeout {TIMEOUT} s: the GPU never finished it"), p.stderr
+    assert "still alive" not in p.stdout and took < TIMEOUT + 60        # + CUDA's and NCCL's start-up
+
+
+@pytest.mark.gpu
+def test_nccl_graphed_steps_are_watched_as_launches_and_every_event_completes(tmp_path):
+    """The watchdog records events outside graph capture only: the graphed step still captures, replays,
+    and gives the eager step's loss; every watched operation completes."""
+    from llmz.launch import RankInfo
+    from llmz.train import parse_args
+    from llmz.trainer import Trainer
+    losses = {}
+    for graph in (True, False):
+        flags = ["--device", "gpu", "--model", "d2", "-b", "4", "-t", "64", "--steps", "4", "--comm", "nccl",
+                 "--quiet", "--val-data", ""] + ([] if graph else ["--no-cuda-graph"])
+        args, kind = parse_args(flags)
+        run = Trainer(args, kind, RankInfo(0, 1, 0, 1, "here"))
+        losses[graph] = [run.step(s)["loss"] for s in range(4)]
+        run.dev.synchronize()
+        time.sleep(3 * watchdog.POLL_S)
+        w = run.comm.watch
+        assert w.board[DONE] == w.seq and not run.comm.watchdog.pending
+        if graph:
+            assert set(run.graphs.graphs) == {"micro_step", "update"}
+        run.comm.close()
+    assert losses[True] == losses[False]
