@@ -1,9 +1,10 @@
-"""Nothing lost, nothing hung (issue 19), class by class: readers refuse non-regular files without
-blocking and check a header against the file's size and the memory before reading any payload; nothing
-non-finite is ever saved and a diverging run stops naming the step; the end of a run loses nothing when
-something fails after the loop; --log lives under its own name and a resume continues it; --keep never
-deletes a later checkpoint; a checkpoint folder or log in use is locked; Ctrl-C is one line; a bad flag
-on one rank of mpiexec ends the job within seconds. Runs are tiny and on the CPU, mostly in this process."""
+"""Nothing lost, nothing hung (tools/hostile_check.py re-measures it from outside), class by class: readers
+refuse non-regular files without blocking and check a header against the file's size and the memory before
+reading any payload; nothing non-finite is ever saved and a diverging run stops naming the step; the end of a
+run loses nothing when something fails after the loop; --log lives under its own name and a resume continues
+it; --keep never deletes a later checkpoint; a checkpoint folder or log in use is locked; Ctrl-C is one line;
+a bad flag on one rank of mpiexec ends the job within seconds. Runs are tiny and on the CPU, mostly in this
+process."""
 import contextlib
 import json
 import os
