@@ -6,8 +6,10 @@ and prints ms per step, tokens/s, MFU and the GPU memory held.
   --per-kernel  one more step, eager, with CUDA events around every kernel and cuBLAS call: a table of
                 each kernel's time per step, its share, and the TFLOP/s or GB/s it reached against the
                 card's ceilings (bytes = the arrays a kernel touches, each counted once)
-  --vs-torch    a plain PyTorch eager GPT-2 of the same shapes, precision and optimizer (llmz.torch_ref),
-                timed in the same process; prints the ratio
+  --vs-torch [eager|compile|both]
+                a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer (llmz.torch_ref: SDPA,
+                fused AdamW, autocast bf16), eager (the default) or torch.compile'd, timed in the same process
+                after llmz; prints its ms, tokens/s, peak memory (allocated and reserved) and the ratio
   --layer NAME  instead of a step, one layer's teaching and fast versions side by side at the model's sizes
                 (llm.c's dev/cuda role: llmz.bench_layers): error against the NumPy reference, us per call,
                 GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, gelu, residual, classifier,
@@ -25,7 +27,7 @@ import time
 
 import numpy as np
 
-from . import bench_layers, torch_ref
+from . import torch_ref
 from .args import Parser, check_bench, check_kernels, check_train
 from .config import TrainConfig, preset
 from .data import write_tokens
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--device", choices=KINDS, default="auto")
-    a("--model", default="d12")
+    a("--model", default="d12", help="a preset of llmz.config: d12 (GPT-2 124M, the default), d24 (350M), d36 "
+      "(774M), d48 (1.56B; -b 8 fits an H200 in bf16), or tiny, small, thin, d2, d4, d6")
     a("--vocab-size", type=int, default=50257)
     a("-b", "--batch-size", type=int, default=None, help="B (default 16; 4 with --layer)")
     a("-t", "--seq-len", type=int, default=1024)
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=3)
     a("--steps", type=int, default=10)
     a("--per-kernel", action="store_true", help="a table of every kernel's time per step")
-    a("--vs-torch", action="store_true", help="time PyTorch eager on the same shapes and print the ratio")
+    a("--vs-torch", nargs="?", const="eager", default=None, choices=("eager", "compile", "both"),
+      help="time PyTorch on the same shapes, eager (the default), torch.compile'd, or both, and print the ratio")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
     a("--layer", default=None, metavar="NAME", help="one layer's teaching and fast versions (see above)")
@@ -206,6 +210,7 @@ def bench(args) -> int:
     kind = resolve(args.device)
     check_kernels(args, kind)
     if args.layer:
+        from . import bench_layers  # it imports the kernels, so numba: after the device is resolved
         return bench_layers.main(args, kind)
     args.batch_size = args.batch_size or 16
     cfg = preset(args.model, vocab_size=args.vocab_size)
@@ -229,13 +234,15 @@ def bench(args) -> int:
                   f" {util} {r['ms'] / rows[0]['ms'] - 1:+8.1%} {gib} {r['loss']:8.4f}")
     tps = rows[-1]["tokens_per_s"]
     if args.vs_torch:
-        r = torch_ref.torch_bench(cfg, B, T, args.precision, args.steps, args.warmup,
-                                  attention=args.torch_attention)
-        print(f"  PyTorch {r['torch_version']} eager ({r['attention']}, {args.precision}"
-              f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "
-              f"{r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} "
-              f"tokens/s, peak {r['peak_bytes'] / 2**30:.2f} GiB")
-        print(f"  llmz / PyTorch = {tps / r['tokens_per_s']:.3f}")
+        for mode in ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,):
+            r = torch_ref.torch_bench(cfg, B, T, args.precision, args.steps, args.warmup,
+                                      attention=args.torch_attention, compile=mode == "compile")
+            print(f"  PyTorch {r['torch_version']} {'torch.compile' if mode == 'compile' else 'eager'} "
+                  f"({r['attention']}, {args.precision}"
+                  f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "
+                  f"{r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} tokens/s, peak {r['peak_bytes'] / 2**30:.2f} GiB "
+                  f"allocated, {r['reserved_bytes'] / 2**30:.2f} GiB reserved")
+            print(f"  llmz / PyTorch {mode} = {tps / r['tokens_per_s']:.3f}")
     return 0
 
 

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from .kernels import adamw, attention, classifier, encoder, flash_attention, gelu, layernorm, matmul, residual
+
 LAYERS = ("encoder", "layernorm", "matmul", "attention", "flash", "gelu", "residual", "classifier", "adamw",
           "norm", "accumulate")
 HOLD_MS = 200           # the GPU waits this long while the host queues the timed calls
@@ -39,233 +41,283 @@ class Case:
         self.passes.append((name, call, outputs, reference, traffic, flops))
 
 
+def encoder_case(cfg, B: int, T: int, rng) -> Case:
+    """The encoder layer's inputs and passes."""
+    C, V, Vp = cfg.channels, cfg.vocab_size, cfg.padded_vocab_size
+    n = rng.normal
+    case = Case({"wte": n(size=(Vp, C)) * 0.02, "wpe": n(size=(T, C)) * 0.02, "dout": n(size=(B, T, C)),
+                 "out": np.zeros((B, T, C)), "dwte": np.zeros((Vp, C)), "dwpe": np.zeros((T, C))},
+                {"inp": rng.integers(0, V, (B, T)).astype(np.int32)})
+
+    def fwd_ref(h):
+        out = np.empty((B, T, C))
+        encoder.encoder_forward_ref(out, h["inp"], h["wte"], h["wpe"])
+        return {"out": out}
+
+    def bwd_ref(h):
+        dwte, dwpe = h["dwte"].copy(), h["dwpe"].copy()
+        encoder.encoder_backward_ref(dwte, dwpe, h["dout"], h["inp"])
+        return {"dwte": dwte, "dwpe": dwpe}
+    case.add("forward", lambda dev, k, d: k.encoder_forward(dev, d["out"], d["inp"], d["wte"], d["wpe"]),
+             ("out",), fwd_ref, ("inp", "wpe", "out", "out"))         # wte's B*T rows read: out's size
+    case.add("backward", lambda dev, k, d: k.encoder_backward(dev, d["dwte"], d["dwpe"], d["dout"], d["inp"],
+                                                               d.get("buckets")), ("dwte", "dwpe"), bwd_ref,
+             ("dout", "dout", "inp", "dwpe", "dwpe", "out", "out"))   # dwte's B*T rows: out's size
+    return case
+
+
+def layernorm_case(cfg, B: int, T: int, rng) -> Case:
+    """The layernorm layer's inputs and passes."""
+    C = cfg.channels
+    n = rng.normal
+    x = n(size=(B, T, C)) * rng.uniform(0.5, 3, (B, T, 1)) + n(size=(B, T, 1))
+    case = Case({"inp": x, "weight": 1 + 0.3 * n(size=C), "bias": 0.3 * n(size=C), "dout": n(size=(B, T, C)),
+                 "out": np.zeros((B, T, C)), "dinp": np.zeros((B, T, C)), "dweight": np.zeros(C),
+                 "dbias": np.zeros(C), "mean": np.zeros((B, T)), "rstd": np.zeros((B, T))})
+
+    def fwd_ref(h):
+        out, mean, rstd = np.empty((B, T, C)), np.empty((B, T)), np.empty((B, T))
+        layernorm.layernorm_forward_ref(out, mean, rstd, h["inp"], h["weight"], h["bias"])
+        return {"out": out, "mean": mean, "rstd": rstd}
+
+    def bwd_ref(h):
+        _, mean, rstd = fwd_ref(h).values()
+        g = [np.zeros((B, T, C)), np.zeros(C), np.zeros(C)]
+        layernorm.layernorm_backward_ref(*g, h["dout"], h["inp"], h["weight"], mean, rstd)
+        return dict(zip(("dinp", "dweight", "dbias"), g))
+    case.add("forward", lambda dev, k, d: k.layernorm_forward(dev, d["out"], d["mean"], d["rstd"], d["inp"],
+                                                               d["weight"], d["bias"]), ("out", "mean", "rstd"),
+             fwd_ref, ("inp", "out", "mean", "rstd"))
+    case.add("backward", lambda dev, k, d: k.layernorm_backward(dev, d["dinp"], d["dweight"], d["dbias"],
+                                                                 d["dout"], d["inp"], d["weight"], d["mean"],
+                                                                 d["rstd"]), ("dinp", "dweight", "dbias"),
+             bwd_ref, ("dout", "inp", "dinp", "dinp", "mean", "rstd"))       # dweight, dbias: small
+    return case
+
+
+def matmul_case(cfg, B: int, T: int, rng) -> Case:
+    """The matmul layer's inputs and passes."""
+    # the MLP's first product: C -> 4C
+    C = cfg.channels
+    n = rng.normal
+    OC = 4 * C
+    case = Case({"inp": n(size=(B, T, C)), "weight": n(size=(OC, C)) * 0.02, "bias": n(size=OC) * 0.02,
+                 "dout": n(size=(B, T, OC)), "out": np.zeros((B, T, OC)), "dinp": np.zeros((B, T, C)),
+                 "dweight": np.zeros((OC, C)), "dbias": np.zeros(OC)}, cublas=True)
+
+    def fwd_ref(h):
+        out = np.empty((B, T, OC))
+        matmul.matmul_forward_ref(out, h["inp"], h["weight"], h["bias"])
+        return {"out": out}
+
+    def bwd_ref(h):
+        g = [np.zeros((B, T, C)), np.zeros((OC, C)), np.zeros(OC)]
+        matmul.matmul_backward_ref(*g, h["dout"], h["inp"], h["weight"])
+        return dict(zip(("dinp", "dweight", "dbias"), g))
+    case.add("forward", lambda dev, k, d: k.matmul_forward(dev, d["out"], d["inp"], d["weight"], d["bias"]),
+             ("out",), fwd_ref, flops=2 * B * T * C * OC)
+    case.add("backward", lambda dev, k, d: k.matmul_backward(dev, d["dinp"], d["dweight"], d["dbias"], d["dout"],
+                                                              d["inp"], d["weight"], dinp_accumulate=False),
+             ("dinp", "dweight", "dbias"), bwd_ref, flops=4 * B * T * C * OC)
+    return case
+
+
+def attention_case(cfg, B: int, T: int, rng) -> Case:
+    """The attention layer's inputs and passes."""
+    C, NH = cfg.channels, cfg.num_heads
+    n = rng.normal
+    sq = (B, NH, T, T)
+    case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
+                 "preatt": np.zeros(sq), "att": np.zeros(sq), "dinp": np.zeros((B, T, 3 * C)),
+                 "dpreatt": np.zeros(sq), "datt": np.zeros(sq)}, cublas=True)
+
+    def fwd_ref(h):
+        out, pre, att = np.empty((B, T, C)), np.empty(sq), np.empty(sq)
+        attention.attention_forward_ref(out, pre, att, h["inp"], NH)
+        return {"out": out, "att": att}
+
+    def bwd_ref(h):
+        dinp = np.zeros((B, T, 3 * C))
+        attention.attention_backward_ref(dinp, np.empty(sq), np.empty(sq), h["dout"], h["inp"],
+                                         fwd_ref(h)["att"], NH)
+        return {"dinp": dinp}
+    # the model's calls: att and dpreatt zero above the diagonal from the start (upper_is_zero)
+    case.add("forward", lambda dev, k, d: k.attention_forward(dev, d["out"], d["preatt"], d["att"], d["inp"], NH,
+                                                               upper_is_zero=True), ("out", "att"), fwd_ref,
+             flops=4 * B * T * T * C)
+    case.add("backward", lambda dev, k, d: k.attention_backward(dev, d["dinp"], d["dpreatt"], d["datt"],
+                                                                 d["dout"], d["inp"], d["att"], NH,
+                                                                 accumulate=False, upper_is_zero=True),
+             ("dinp",), bwd_ref, flops=8 * B * T * T * C)
+    return case
+
+
+def flash_case(cfg, B: int, T: int, rng) -> Case:
+    """The flash layer's inputs and passes."""
+    C, NH = cfg.channels, cfg.num_heads
+    n = rng.normal
+    # --attention flash: the same math as "attention" without the (B,NH,T,T) buffers; its flop count is
+    # the attention rows' (the whole T x T products), so the two layers' rows compare by time
+    case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
+                 "lse": np.zeros((B, NH, T)), "dinp": np.zeros((B, T, 3 * C))})
+
+    def fwd_ref(h):
+        out, lse = np.empty((B, T, C)), np.empty((B, NH, T))
+        flash_attention.flash_attention_forward_ref(out, lse, h["inp"], NH)
+        return {"out": out, "lse": lse}
+
+    def bwd_ref(h):
+        f = fwd_ref(h)
+        dinp = np.zeros((B, T, 3 * C))
+        flash_attention.flash_attention_backward_ref(dinp, h["dout"], h["inp"], f["out"], f["lse"], NH,
+                                                     accumulate=False)
+        return {"dinp": dinp}
+    case.add("forward", lambda dev, k, d: k.flash_attention_forward(dev, d["out"], d["lse"], d["inp"], NH),
+             ("out", "lse"), fwd_ref, flops=4 * B * T * T * C)
+    case.add("backward", lambda dev, k, d: k.flash_attention_backward(dev, d["dinp"], d["dout"], d["inp"],
+                                                                       d["out"], d["lse"], NH,
+                                                                       accumulate=False),
+             ("dinp",), bwd_ref, flops=8 * B * T * T * C)
+    return case
+
+
+def gelu_case(cfg, B: int, T: int, rng) -> Case:
+    """The gelu layer's inputs and passes."""
+    C = cfg.channels
+    n = rng.normal
+    shape = (B, T, 4 * C)
+    case = Case({"inp": n(size=shape) * 2, "dout": n(size=shape), "out": np.zeros(shape),
+                 "dinp": np.zeros(shape)})
+
+    def fwd_ref(h):
+        out = np.empty(shape)
+        gelu.gelu_forward_ref(out, h["inp"])
+        return {"out": out}
+
+    def bwd_ref(h):
+        dinp = np.empty(shape)
+        gelu.gelu_backward_ref(dinp, h["inp"], h["dout"], accumulate=False)
+        return {"dinp": dinp}
+    case.add("forward", lambda dev, k, d: k.gelu_forward(dev, d["out"], d["inp"]), ("out",), fwd_ref,
+             ("inp", "out"))
+    case.add("backward", lambda dev, k, d: k.gelu_backward(dev, d["dinp"], d["inp"], d["dout"],
+                                                            accumulate=False), ("dinp",), bwd_ref,
+             ("inp", "dout", "dinp"))
+    return case
+
+
+def residual_case(cfg, B: int, T: int, rng) -> Case:
+    """The residual layer's inputs and passes."""
+    C = cfg.channels
+    n = rng.normal
+    shape = (B, T, C)
+    case = Case({"inp1": n(size=shape), "inp2": n(size=shape), "dout": n(size=shape), "out": np.zeros(shape),
+                 "dinp1": n(size=shape), "dinp2": n(size=shape)})
+
+    def fwd_ref(h):
+        out = np.empty(shape)
+        residual.residual_forward_ref(out, h["inp1"], h["inp2"])
+        return {"out": out}
+
+    def bwd_ref(h):
+        d1, d2 = h["dinp1"].copy(), h["dinp2"].copy()
+        residual.residual_backward_ref(d1, d2, h["dout"])
+        return {"dinp1": d1, "dinp2": d2}
+    case.add("forward", lambda dev, k, d: k.residual_forward(dev, d["out"], d["inp1"], d["inp2"]), ("out",),
+             fwd_ref, ("inp1", "inp2", "out"))
+    case.add("backward", lambda dev, k, d: k.residual_backward(dev, d["dinp1"], d["dinp2"], d["dout"]),
+             ("dinp1", "dinp2"), bwd_ref, ("dout", "dinp1", "dinp1", "dinp2", "dinp2"))
+    return case
+
+
+def classifier_case(cfg, B: int, T: int, rng) -> Case:
+    """The classifier layer's inputs and passes."""
+    V, Vp = cfg.vocab_size, cfg.padded_vocab_size
+    n = rng.normal
+    case = Case({"logits": n(size=(B, T, Vp)) * 3, "losses": np.zeros((B, T))},
+                {"targets": rng.integers(0, V, (B, T)).astype(np.int32)})
+    dloss = 1.0 / (B * T)
+
+    def fwd_ref(h):
+        losses = np.empty((B, T))
+        classifier.classifier_forward_ref(losses, np.empty((B, T, Vp)), h["logits"], h["targets"], V)
+        return {"losses": losses}
+
+    def bwd_ref(h):
+        losses, x = np.empty((B, T)), h["logits"].copy()
+        classifier.classifier_fused_ref(losses, x, h["targets"], dloss, V)
+        return {"losses": losses, "logits": x}
+    # forward: the losses (llmz.model's forward); backward: losses and dlogits over the logits in place
+    case.add("forward", lambda dev, k, d: k.classifier_loss(dev, d["losses"], d["logits"], d["targets"], V),
+             ("losses",), fwd_ref, ("logits",))
+    case.add("backward", lambda dev, k, d: k.classifier_fused(dev, d["losses"], d["logits"], d["targets"],
+                                                               dloss, V), ("losses", "logits"), bwd_ref,
+             ("logits", "logits", "logits"))           # read twice (the fast kernel), written once
+    return case
+
+
+def adamw_case(cfg, B: int, T: int, rng) -> Case:
+    """The adamw layer's inputs and passes."""
+    n = rng.normal
+    N = cfg.num_parameters()
+    beta1, beta2, eps, wd, decay = 0.9, 0.95, 1e-8, 0.1, N // 2
+    scalars = np.array([3e-4, 0.7, 1 - beta1 ** 5, 1 - beta2 ** 5, 5])
+    case = Case({"params": n(size=N) * 0.02, "grads": n(size=N) * 1e-2, "m": n(size=N) * 1e-3,
+                 "v": rng.random(N) * 1e-5 + 1e-7, "scalars": scalars})
+
+    def update_ref(h):
+        p, m, v = h["params"].copy(), h["m"].copy(), h["v"].copy()
+        adamw.adamw_update_ref(p, h["grads"], m, v, decay, scalars, beta1, beta2, eps, wd)
+        return {"params": p, "m": m, "v": v}
+
+    def update(dev, k, d):
+        if d["params"].dtype == np.uint16:      # bf16: the master copy moves, the bf16 params are rounded
+            return k.adamw_update_bf16(dev, d["params"], d["master"], d["grads"], d["m"], d["v"], decay,
+                                       d["scalars"], beta1, beta2, eps, wd, 1234)
+        k.adamw_update(dev, d["params"], d["grads"], d["m"], d["v"], decay, d["scalars"], beta1, beta2, eps, wd)
+    case.add("update", update, ("params", "m", "v"), update_ref,
+             ("grads", "params", "params", "m", "m", "v", "v"))
+    return case
+
+
+def norm_case(cfg, B: int, T: int, rng) -> Case:
+    """The norm layer's inputs and passes."""
+    n = rng.normal
+    N = cfg.num_parameters()
+    case = Case({"x": n(size=N) * 1e-2, "norm_sq": np.zeros(1), "norm_scratch": np.zeros(256)})
+    case.add("norm^2", lambda dev, k, d: k.norm_squared(dev, d["norm_sq"], d["x"], d["norm_scratch"]),
+             ("norm_sq",), lambda h: {"norm_sq": np.array([np.sum(h["x"] ** 2)])}, ("x",))
+    return case
+
+
+def accumulate_case(cfg, B: int, T: int, rng) -> Case:
+    """The accumulate layer's inputs and passes."""
+    # one block's bucket, rank 1 of 2 ranks
+    C = cfg.channels
+    n = rng.normal
+    nb = 12 * C * C + 13 * C
+    case = Case({"shard": n(size=nb) * 1e-2, "slot": n(size=2 * nb) * 1e-3})
+
+    def accumulate(dev, k, d):
+        if d["shard"].dtype == np.uint16:
+            return k.accumulate_shard_bf16(dev, d["shard"], d["slot"], 1, 1234, 0)
+        k.accumulate_shard(dev, d["shard"], d["slot"], 1)
+    case.add("accumulate", accumulate, ("shard", "slot"),
+             lambda h: {"shard": h["shard"] + h["slot"][nb:], "slot": np.zeros(2 * nb)},
+             ("shard", "shard", "slot", "slot"))
+    return case
+
+
+CASES = {"encoder": encoder_case, "layernorm": layernorm_case, "matmul": matmul_case, "attention": attention_case,
+         "flash": flash_case, "gelu": gelu_case, "residual": residual_case, "classifier": classifier_case,
+         "adamw": adamw_case, "norm": norm_case, "accumulate": accumulate_case}
+
+
 def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
     """The inputs and passes of one layer at these sizes (C, NH, V, Vp from cfg)."""
-    from .kernels import (
-        adamw,
-        attention,
-        classifier,
-        encoder,
-        flash_attention,
-        gelu,
-        layernorm,
-        matmul,
-        residual,
-    )
-    C, NH, V, Vp = cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size
-    n = rng.normal
-    if layer == "encoder":
-        case = Case({"wte": n(size=(Vp, C)) * 0.02, "wpe": n(size=(T, C)) * 0.02, "dout": n(size=(B, T, C)),
-                     "out": np.zeros((B, T, C)), "dwte": np.zeros((Vp, C)), "dwpe": np.zeros((T, C))},
-                    {"inp": rng.integers(0, V, (B, T)).astype(np.int32)})
-
-        def fwd_ref(h):
-            out = np.empty((B, T, C))
-            encoder.encoder_forward_ref(out, h["inp"], h["wte"], h["wpe"])
-            return {"out": out}
-
-        def bwd_ref(h):
-            dwte, dwpe = h["dwte"].copy(), h["dwpe"].copy()
-            encoder.encoder_backward_ref(dwte, dwpe, h["dout"], h["inp"])
-            return {"dwte": dwte, "dwpe": dwpe}
-        case.add("forward", lambda dev, k, d: k.encoder_forward(dev, d["out"], d["inp"], d["wte"], d["wpe"]),
-                 ("out",), fwd_ref, ("inp", "wpe", "out", "out"))         # wte's B*T rows read: out's size
-        case.add("backward", lambda dev, k, d: k.encoder_backward(dev, d["dwte"], d["dwpe"], d["dout"], d["inp"],
-                                                                   d.get("buckets")), ("dwte", "dwpe"), bwd_ref,
-                 ("dout", "dout", "inp", "dwpe", "dwpe", "out", "out"))   # dwte's B*T rows: out's size
-        return case
-    if layer == "layernorm":
-        x = n(size=(B, T, C)) * rng.uniform(0.5, 3, (B, T, 1)) + n(size=(B, T, 1))
-        case = Case({"inp": x, "weight": 1 + 0.3 * n(size=C), "bias": 0.3 * n(size=C), "dout": n(size=(B, T, C)),
-                     "out": np.zeros((B, T, C)), "dinp": np.zeros((B, T, C)), "dweight": np.zeros(C),
-                     "dbias": np.zeros(C), "mean": np.zeros((B, T)), "rstd": np.zeros((B, T))})
-
-        def fwd_ref(h):
-            out, mean, rstd = np.empty((B, T, C)), np.empty((B, T)), np.empty((B, T))
-            layernorm.layernorm_forward_ref(out, mean, rstd, h["inp"], h["weight"], h["bias"])
-            return {"out": out, "mean": mean, "rstd": rstd}
-
-        def bwd_ref(h):
-            _, mean, rstd = fwd_ref(h).values()
-            g = [np.zeros((B, T, C)), np.zeros(C), np.zeros(C)]
-            layernorm.layernorm_backward_ref(*g, h["dout"], h["inp"], h["weight"], mean, rstd)
-            return dict(zip(("dinp", "dweight", "dbias"), g))
-        case.add("forward", lambda dev, k, d: k.layernorm_forward(dev, d["out"], d["mean"], d["rstd"], d["inp"],
-                                                                   d["weight"], d["bias"]), ("out", "mean", "rstd"),
-                 fwd_ref, ("inp", "out", "mean", "rstd"))
-        case.add("backward", lambda dev, k, d: k.layernorm_backward(dev, d["dinp"], d["dweight"], d["dbias"],
-                                                                     d["dout"], d["inp"], d["weight"], d["mean"],
-                                                                     d["rstd"]), ("dinp", "dweight", "dbias"),
-                 bwd_ref, ("dout", "inp", "dinp", "dinp", "mean", "rstd"))       # dweight, dbias: small
-        return case
-    if layer == "matmul":                            # the MLP's first product: C -> 4C
-        OC = 4 * C
-        case = Case({"inp": n(size=(B, T, C)), "weight": n(size=(OC, C)) * 0.02, "bias": n(size=OC) * 0.02,
-                     "dout": n(size=(B, T, OC)), "out": np.zeros((B, T, OC)), "dinp": np.zeros((B, T, C)),
-                     "dweight": np.zeros((OC, C)), "dbias": np.zeros(OC)}, cublas=True)
-
-        def fwd_ref(h):
-            out = np.empty((B, T, OC))
-            matmul.matmul_forward_ref(out, h["inp"], h["weight"], h["bias"])
-            return {"out": out}
-
-        def bwd_ref(h):
-            g = [np.zeros((B, T, C)), np.zeros((OC, C)), np.zeros(OC)]
-            matmul.matmul_backward_ref(*g, h["dout"], h["inp"], h["weight"])
-            return dict(zip(("dinp", "dweight", "dbias"), g))
-        case.add("forward", lambda dev, k, d: k.matmul_forward(dev, d["out"], d["inp"], d["weight"], d["bias"]),
-                 ("out",), fwd_ref, flops=2 * B * T * C * OC)
-        case.add("backward", lambda dev, k, d: k.matmul_backward(dev, d["dinp"], d["dweight"], d["dbias"], d["dout"],
-                                                                  d["inp"], d["weight"], dinp_accumulate=False),
-                 ("dinp", "dweight", "dbias"), bwd_ref, flops=4 * B * T * C * OC)
-        return case
-    if layer == "attention":
-        sq = (B, NH, T, T)
-        case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
-                     "preatt": np.zeros(sq), "att": np.zeros(sq), "dinp": np.zeros((B, T, 3 * C)),
-                     "dpreatt": np.zeros(sq), "datt": np.zeros(sq)}, cublas=True)
-
-        def fwd_ref(h):
-            out, pre, att = np.empty((B, T, C)), np.empty(sq), np.empty(sq)
-            attention.attention_forward_ref(out, pre, att, h["inp"], NH)
-            return {"out": out, "att": att}
-
-        def bwd_ref(h):
-            dinp = np.zeros((B, T, 3 * C))
-            attention.attention_backward_ref(dinp, np.empty(sq), np.empty(sq), h["dout"], h["inp"],
-                                             fwd_ref(h)["att"], NH)
-            return {"dinp": dinp}
-        # the model's calls: att and dpreatt zero above the diagonal from the start (upper_is_zero)
-        case.add("forward", lambda dev, k, d: k.attention_forward(dev, d["out"], d["preatt"], d["att"], d["inp"], NH,
-                                                                   upper_is_zero=True), ("out", "att"), fwd_ref,
-                 flops=4 * B * T * T * C)
-        case.add("backward", lambda dev, k, d: k.attention_backward(dev, d["dinp"], d["dpreatt"], d["datt"],
-                                                                     d["dout"], d["inp"], d["att"], NH,
-                                                                     accumulate=False, upper_is_zero=True),
-                 ("dinp",), bwd_ref, flops=8 * B * T * T * C)
-        return case
-    if layer == "flash":
-        # --attention flash: the same math as "attention" without the (B,NH,T,T) buffers; its flop count is
-        # the attention rows' (the whole T x T products), so the two layers' rows compare by time
-        case = Case({"inp": n(size=(B, T, 3 * C)), "dout": n(size=(B, T, C)), "out": np.zeros((B, T, C)),
-                     "lse": np.zeros((B, NH, T)), "dinp": np.zeros((B, T, 3 * C))})
-
-        def fwd_ref(h):
-            out, lse = np.empty((B, T, C)), np.empty((B, NH, T))
-            flash_attention.flash_attention_forward_ref(out, lse, h["inp"], NH)
-            return {"out": out, "lse": lse}
-
-        def bwd_ref(h):
-            f = fwd_ref(h)
-            dinp = np.zeros((B, T, 3 * C))
-            flash_attention.flash_attention_backward_ref(dinp, h["dout"], h["inp"], f["out"], f["lse"], NH,
-                                                         accumulate=False)
-            return {"dinp": dinp}
-        case.add("forward", lambda dev, k, d: k.flash_attention_forward(dev, d["out"], d["lse"], d["inp"], NH),
-                 ("out", "lse"), fwd_ref, flops=4 * B * T * T * C)
-        case.add("backward", lambda dev, k, d: k.flash_attention_backward(dev, d["dinp"], d["dout"], d["inp"],
-                                                                           d["out"], d["lse"], NH,
-                                                                           accumulate=False),
-                 ("dinp",), bwd_ref, flops=8 * B * T * T * C)
-        return case
-    if layer == "gelu":
-        shape = (B, T, 4 * C)
-        case = Case({"inp": n(size=shape) * 2, "dout": n(size=shape), "out": np.zeros(shape),
-                     "dinp": np.zeros(shape)})
-
-        def fwd_ref(h):
-            out = np.empty(shape)
-            gelu.gelu_forward_ref(out, h["inp"])
-            return {"out": out}
-
-        def bwd_ref(h):
-            dinp = np.empty(shape)
-            gelu.gelu_backward_ref(dinp, h["inp"], h["dout"], accumulate=False)
-            return {"dinp": dinp}
-        case.add("forward", lambda dev, k, d: k.gelu_forward(dev, d["out"], d["inp"]), ("out",), fwd_ref,
-                 ("inp", "out"))
-        case.add("backward", lambda dev, k, d: k.gelu_backward(dev, d["dinp"], d["inp"], d["dout"],
-                                                                accumulate=False), ("dinp",), bwd_ref,
-                 ("inp", "dout", "dinp"))
-        return case
-    if layer == "residual":
-        shape = (B, T, C)
-        case = Case({"inp1": n(size=shape), "inp2": n(size=shape), "dout": n(size=shape), "out": np.zeros(shape),
-                     "dinp1": n(size=shape), "dinp2": n(size=shape)})
-
-        def fwd_ref(h):
-            out = np.empty(shape)
-            residual.residual_forward_ref(out, h["inp1"], h["inp2"])
-            return {"out": out}
-
-        def bwd_ref(h):
-            d1, d2 = h["dinp1"].copy(), h["dinp2"].copy()
-            residual.residual_backward_ref(d1, d2, h["dout"])
-            return {"dinp1": d1, "dinp2": d2}
-        case.add("forward", lambda dev, k, d: k.residual_forward(dev, d["out"], d["inp1"], d["inp2"]), ("out",),
-                 fwd_ref, ("inp1", "inp2", "out"))
-        case.add("backward", lambda dev, k, d: k.residual_backward(dev, d["dinp1"], d["dinp2"], d["dout"]),
-                 ("dinp1", "dinp2"), bwd_ref, ("dout", "dinp1", "dinp1", "dinp2", "dinp2"))
-        return case
-    if layer == "classifier":
-        case = Case({"logits": n(size=(B, T, Vp)) * 3, "losses": np.zeros((B, T))},
-                    {"targets": rng.integers(0, V, (B, T)).astype(np.int32)})
-        dloss = 1.0 / (B * T)
-
-        def fwd_ref(h):
-            losses = np.empty((B, T))
-            classifier.classifier_forward_ref(losses, np.empty((B, T, Vp)), h["logits"], h["targets"], V)
-            return {"losses": losses}
-
-        def bwd_ref(h):
-            losses, x = np.empty((B, T)), h["logits"].copy()
-            classifier.classifier_fused_ref(losses, x, h["targets"], dloss, V)
-            return {"losses": losses, "logits": x}
-        # forward: the losses (llmz.model's forward); backward: losses and dlogits over the logits in place
-        case.add("forward", lambda dev, k, d: k.classifier_loss(dev, d["losses"], d["logits"], d["targets"], V),
-                 ("losses",), fwd_ref, ("logits",))
-        case.add("backward", lambda dev, k, d: k.classifier_fused(dev, d["losses"], d["logits"], d["targets"],
-                                                                   dloss, V), ("losses", "logits"), bwd_ref,
-                 ("logits", "logits", "logits"))           # read twice (the fast kernel), written once
-        return case
-    N = cfg.num_parameters()
-    if layer == "adamw":
-        beta1, beta2, eps, wd, decay = 0.9, 0.95, 1e-8, 0.1, N // 2
-        scalars = np.array([3e-4, 0.7, 1 - beta1 ** 5, 1 - beta2 ** 5, 5])
-        case = Case({"params": n(size=N) * 0.02, "grads": n(size=N) * 1e-2, "m": n(size=N) * 1e-3,
-                     "v": rng.random(N) * 1e-5 + 1e-7, "scalars": scalars})
-
-        def update_ref(h):
-            p, m, v = h["params"].copy(), h["m"].copy(), h["v"].copy()
-            adamw.adamw_update_ref(p, h["grads"], m, v, decay, scalars, beta1, beta2, eps, wd)
-            return {"params": p, "m": m, "v": v}
-
-        def update(dev, k, d):
-            if d["params"].dtype == np.uint16:      # bf16: the master copy moves, the bf16 params are rounded
-                return k.adamw_update_bf16(dev, d["params"], d["master"], d["grads"], d["m"], d["v"], decay,
-                                           d["scalars"], beta1, beta2, eps, wd, 1234)
-            k.adamw_update(dev, d["params"], d["grads"], d["m"], d["v"], decay, d["scalars"], beta1, beta2, eps, wd)
-        case.add("update", update, ("params", "m", "v"), update_ref,
-                 ("grads", "params", "params", "m", "m", "v", "v"))
-        return case
-    if layer == "norm":
-        case = Case({"x": n(size=N) * 1e-2, "norm_sq": np.zeros(1), "norm_scratch": np.zeros(256)})
-        case.add("norm^2", lambda dev, k, d: k.norm_squared(dev, d["norm_sq"], d["x"], d["norm_scratch"]),
-                 ("norm_sq",), lambda h: {"norm_sq": np.array([np.sum(h["x"] ** 2)])}, ("x",))
-        return case
-    if layer == "accumulate":                       # one block's bucket, rank 1 of 2 ranks
-        nb = 12 * C * C + 13 * C
-        case = Case({"shard": n(size=nb) * 1e-2, "slot": n(size=2 * nb) * 1e-3})
-
-        def accumulate(dev, k, d):
-            if d["shard"].dtype == np.uint16:
-                return k.accumulate_shard_bf16(dev, d["shard"], d["slot"], 1, 1234, 0)
-            k.accumulate_shard(dev, d["shard"], d["slot"], 1)
-        case.add("accumulate", accumulate, ("shard", "slot"),
-                 lambda h: {"shard": h["shard"] + h["slot"][nb:], "slot": np.zeros(2 * nb)},
-                 ("shard", "shard", "slot", "slot"))
-        return case
-    raise ValueError(f"unknown layer {layer!r}; choose from {', '.join(LAYERS)}")
+    if layer not in CASES:
+        raise ValueError(f"unknown layer {layer!r}; choose from {', '.join(LAYERS)}")
+    return CASES[layer](cfg, B, T, rng)
 
 
 def to_device(dev, case: Case, dtype):

@@ -1,7 +1,8 @@
-"""python -m llmz.torch_ref: a PyTorch eager GPT-2, the yardstick `python -m llmz.bench --vs-torch` uses.
+"""python -m llmz.torch_ref: a PyTorch GPT-2, the yardstick `python -m llmz.bench --vs-torch [compile]` uses.
 
 The model of llm.c's train_gpt2.py / nanoGPT at the shapes of an llmz GPT2Config, trained on one fixed
-batch of random tokens: AdamW (fused where torch has it), gradient clipping to 1.0, no torch.compile.
+batch of random tokens: AdamW (fused where torch has it), gradient clipping to 1.0; eager, or with the loss
+(forward and backward of the model) compiled by torch.compile (nanoGPT's `compile = True`, default mode).
   fp32  fp32 weights and activations, TF32 matmuls
   bf16  fp32 master weights; forward and loss under torch.autocast(bfloat16), PyTorch's usual mixed precision
 PyTorch is an optional benchmark dependency: it is imported inside the functions, so this module imports
@@ -78,10 +79,12 @@ def _loss(model, config: GPT2Config, idx, targets, attention: str, mask):
 
 def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, warmup: int,
                 attention: str = "sdpa", lr: float = 3e-4, weight_decay: float = 0.0, seed: int = 0,
-                device: str = "cuda") -> dict:
-    """Train a PyTorch eager GPT-2 of `config`'s shape on random tokens for `warmup` + `steps` optimizer
-    steps; returns {"ms": median ms per timed step, "tokens_per_s", "peak_bytes" (max allocated during
-    the timed steps; None on CPU), "losses": one float per step, "torch_version", "attention", "precision"}.
+                device: str = "cuda", compile: bool = False) -> dict:
+    """Train a PyTorch GPT-2 of `config`'s shape on random tokens for `warmup` + `steps` optimizer steps, eager
+    or with the loss function compiled (compile=True: torch.compile, compiled during the warm-up steps);
+    returns {"ms": median ms per timed step, "tokens_per_s", "peak_bytes" (max allocated during the timed
+    steps; None on CPU), "reserved_bytes" (max reserved by the caching allocator), "losses": one float per
+    step, "torch_version", "attention", "precision", "compiled"}.
     One step = zero_grad, forward, backward, clip to norm 1.0, AdamW step."""
     import torch
     if precision not in PRECISIONS or attention not in ATTENTIONS:
@@ -107,11 +110,13 @@ def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, 
     except (RuntimeError, TypeError, ValueError):                                # no fused kernel here
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
+    loss_fn = torch.compile(_loss) if compile else _loss
+
     def step():
         opt.zero_grad(set_to_none=True)
         amp = torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         with amp:
-            loss = _loss(model, config, x, y, attention, mask)
+            loss = loss_fn(model, config, x, y, attention, mask)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -124,7 +129,7 @@ def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, 
     losses = [step() for _ in range(warmup)]
     sync()
     if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
+        torch.cuda.reset_peak_memory_stats(dev)         # the compiled graph's warm-up allocations stay reserved
     times = []
     for _ in range(steps):
         sync()
@@ -135,8 +140,9 @@ def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, 
     ms = statistics.median(times) * 1e3
     return {"ms": ms, "tokens_per_s": B * T / (ms / 1e3),
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+            "reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,
             "losses": [float(v) for v in losses], "torch_version": torch.__version__,
-            "attention": attention, "precision": precision}
+            "attention": attention, "precision": precision, "compiled": compile}
 
 
 def main(argv=None) -> int:
@@ -150,18 +156,21 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's loss (nanoGPT's compile)")
     args = p.parse_args(argv)
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
     try:
-        r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, args.attention, device=args.device)
+        r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, args.attention, device=args.device,
+                        compile=args.compile)
     except ModuleNotFoundError as e:
         if e.name != "torch":
             raise
         print("python -m llmz.torch_ref needs PyTorch: pip install torch", file=sys.stderr)
         return 2
     peak = f"peak {r['peak_bytes'] / 2**30:.2f} GiB" if r["peak_bytes"] is not None else "peak n/a on cpu"
-    print(f"torch {r['torch_version']} eager {args.attention} {args.precision} on {args.device}, model "
+    mode = "compiled" if args.compile else "eager"
+    print(f"torch {r['torch_version']} {mode} {args.attention} {args.precision} on {args.device}, model "
           f"{args.model} B={B} T={T}: {r['ms']:.1f} ms/step (median of {args.steps}) "
           f"{r['tokens_per_s']:.0f} tokens/s {peak}, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
     return 0

@@ -78,8 +78,9 @@ def test_gelu_fast_layer_takes_the_pairs_only_where_they_fit(fdev, rng, launched
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage", STORAGES)
-def test_gelu_fast_layers_are_the_teaching_layers_bit_for_bit_at_d12_size(kdev, fdev, rng, storage):
-    shape = (4, 1024, 3072)                                             # B, T, 4C of d12
+@pytest.mark.parametrize("C", [768, 1600])
+def test_gelu_fast_layers_are_the_teaching_layers_bit_for_bit_at_gpt2_size(kdev, fdev, rng, storage, C):
+    shape = (4, 1024, 4 * C)                                            # B, T, 4C of d12 and d48
     x, dout, start = (rand_storage(rng, shape, storage, s) for s in (3.0, 1.0, 1.0))
     outs = {}
     for name, dev in (("teaching", kdev), ("fast", fdev)):

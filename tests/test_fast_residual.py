@@ -69,8 +69,9 @@ def test_residual_fast_layer_takes_the_pairs_for_even_aligned_arrays(fdev, rng, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage", STORAGES)
-def test_residual_fast_layers_are_the_teaching_layers_bit_for_bit_at_d12_size(kdev, fdev, rng, storage):
-    shape = (4, 1024, 768)                                              # B, T, C of d12
+@pytest.mark.parametrize("C", [768, 1600])
+def test_residual_fast_layers_are_the_teaching_layers_bit_for_bit_at_gpt2_size(kdev, fdev, rng, storage, C):
+    shape = (4, 1024, C)                                                # B, T, C of d12 and d48
     a, b, dout, s1, s2 = (rand_storage(rng, shape, storage) for _ in range(5))
     outs = {}
     for name, dev, k in (("teaching", kdev, teaching), ("fast", fdev, fast)):

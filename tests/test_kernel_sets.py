@@ -115,9 +115,9 @@ def test_bench_layer_prints_a_teaching_and_a_fast_row_per_pass_in_the_simulator(
     assert "gelu_forward_pairs_kernel" in p.stdout and "attention_softmax_kernel" in p.stdout
 
 
-def test_compile_check_covers_every_kernel_of_both_sets():
-    # tools/compile_check.py compiles each kernel for sm_90 with the argument types the layers pass: a kernel
-    # missing from its table would go unchecked on a machine without a GPU
+def test_compile_check_covers_every_kernel_of_both_sets_and_the_dev_candidates(monkeypatch):
+    # tools/compile_check.py compiles each kernel for sm_90 with the argument types the layers pass (the dev/
+    # candidates with --dev): a kernel missing from its table would go unchecked on a machine without a GPU
     import importlib
     import importlib.util
     import pkgutil
@@ -127,17 +127,22 @@ def test_compile_check_covers_every_kernel_of_both_sets():
     spec = importlib.util.spec_from_file_location("compile_check", f"{REPO}/tools/compile_check.py")
     cc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cc)
-    listed = {target for bf16 in (False, True) for target in cc.signatures(bf16)}
+    listed = {target.split("#")[0] for bf16 in (False, True)
+              for target in {**cc.signatures(bf16), **cc.dev_signatures(bf16)}}
+    modules = [f"{package.__name__}.{info.name}" for package in (llmz.kernels, llmz.fast)
+               for info in pkgutil.iter_modules(package.__path__)]
+    # the candidates kept in dev/ (--dev; flash attention's versions have tools/flash_ptx.py)
+    monkeypatch.syspath_prepend(str(REPO))
+    modules += [f"dev.{name}" for name in ("adamw", "classifier", "column_sum", "encoder", "gelu", "layernorm",
+                                           "matmul", "residual", "vectors")]
     kernels = set()
-    for package in (llmz.kernels, llmz.fast):
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
-            for name, obj in vars(module).items():
-                py_func = getattr(obj, "py_func", None)
-                if py_func is None or py_func.__module__ != module.__name__:
-                    continue
-                # the simulator's FakeCUDAKernel says _device, a GPU's dispatcher its targetoptions
-                device = getattr(obj, "_device", None)
-                if not (obj.targetoptions.get("device") if device is None else device):
-                    kernels.add(f"{module.__name__}:{name}")
-    assert kernels and kernels <= listed, sorted(kernels - listed)
+    for module in map(importlib.import_module, modules):
+        for name, obj in vars(module).items():
+            py_func = getattr(obj, "py_func", None)
+            if py_func is None or py_func.__module__ != module.__name__:
+                continue
+            # the simulator's FakeCUDAKernel says _device, a GPU's dispatcher its targetoptions
+            device = getattr(obj, "_device", None)
+            if not (obj.targetoptions.get("device") if device is None else device):
+                kernels.add(f"{module.__name__}:{name}")
+    assert any(k.startswith("dev.") for k in kernels) and kernels <= listed, sorted(kernels - listed)

@@ -1,13 +1,16 @@
 """Compile every GPU kernel for sm_90 without a GPU: Numba -> PTX (libnvvm), then ptxas -> registers and spills.
 
-    python tools/compile_check.py [--only SUBSTRING] [--ptx-dir DIR] [-v]
+    python tools/compile_check.py [--only SUBSTRING] [--ptx-dir DIR] [--dev]
 
 The simulator runs the kernels' Python, not their compiled form: a kernel that only a GPU compiles (warp
 shuffles, launch bounds, syncwarp, the bf16 overloads' typing) can break unseen on a CPU machine. This script
 compiles each fast kernel (llmz/fast/) and each teaching kernel (llmz/kernels/) with the argument types the
 layer functions pass on a GPU, in float32 and bf16 (arrays as CuPy hands them to Numba: C-contiguous; bf16 as
 uint16, paired words as uint32 / uint64), assembles the PTX with ptxas and prints one line a kernel: registers,
-spill bytes, the PTX's size. --ptx-dir writes each PTX with its mangled names numbered, to diff two trees.
+spill bytes, stack frame bytes, the PTX's size. --ptx-dir writes each PTX with its mangled names numbered, to
+diff two trees (a refactor of a kernel's source that leaves its PTX the same changes nothing that runs).
+--dev compiles the candidate versions kept in dev/<layer>.py too (kernels built per width C at each of
+GPT-2's widths).
 Needs the CUDA toolkit (libnvvm, libdevice, ptxas), not a GPU or a driver. Exit status 1 if any fails.
 """
 from __future__ import annotations
@@ -35,6 +38,10 @@ from numba import cuda, types
 
 f32, f64, u16, u32, u64, i32, i64, b1 = (types.float32, types.float64, types.uint16, types.uint32, types.uint64,
                                          types.int32, types.int64, types.boolean)
+
+
+# the widths C of GPT-2's sizes (d12, d24, d36, d48): the kernels built per width are compiled at each
+WIDTHS = (768, 1024, 1280, 1600)
 
 
 def A(dtype, ndim=1):
@@ -142,16 +149,55 @@ def signatures(bf16: bool) -> dict:
     return sigs
 
 
+def dev_signatures(bf16: bool) -> dict:
+    """The candidate versions kept in dev/<layer>.py (--dev), as their layer functions launch them on a GPU:
+    "dev.module:kernel", or "dev.module:factory@C" for a kernel built per width C (at every GPT-2 width)."""
+    v = value(bf16)
+    flat_fwd = (A(v), A(f32), A(f32), A(v), A(v), A(v))
+    sigs = {
+        "dev.gelu:gelu_forward_units_kernel": (A(v), A(v), i64),
+        "dev.gelu:gelu_backward_units_kernel": (A(v), A(v), A(v), i64, b1),
+        "dev.residual:residual_forward_units_kernel": (A(v), A(v), A(v), i64),
+        "dev.residual:residual_backward_units_kernel": (A(v), A(v), A(v), i64),
+        "dev.column_sum:column_sum_units_kernel": (A(v), A(v), i64, A(f64, 2), A(i32), A(v), i64),
+        "dev.column_sum:column_sum_units_kernel#layernorm": (A(v), A(v), i64, A(f64, 2), A(i32), A(f32), i64),
+        "dev.matmul:matmul_bias_fill_units_kernel": (A(v), A(v), i64),
+        "dev.encoder:encoder_forward_units_kernel": (A(v), A(i32), A(v), A(v), i64, i64, i64),
+        "dev.encoder:encoder_backward_wte_units_kernel": (A(v), A(v), A(i32), i64),
+        "dev.encoder:encoder_backward_wpe_units_kernel": (A(v), A(v), i64, i64, i64),
+    }
+    for C in WIDTHS:
+        sigs[f"dev.layernorm:forward_kernel@{C}"] = flat_fwd + (types.none, types.none)
+        sigs[f"dev.layernorm:forward_kernel@{C}#residual"] = flat_fwd + (A(v), A(v))
+        sigs[f"dev.layernorm:backward_kernel@{C}"] = (A(v), A(f32), A(v), A(v), A(v), A(f32), A(f32))
+    if bf16:
+        sigs.update({
+            "dev.classifier:units_kernel@50304,1024": (A(f32), A(u16), A(i32), f64, i64, b1),
+            "dev.adamw:adamw_bf16_units_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64, f64,
+                                                  f64, f64, b1, u64, u64, i64),
+        })
+    return sigs
+
+
 def numbered(ptx: str) -> str:
-    """The PTX with its mangled names (which carry the module path) numbered in order of appearance."""
+    """The PTX with its mangled names (which carry the module path) and its shared arrays' names (a counter of
+    the process: they change with what was compiled before) numbered in order of appearance."""
     names: dict[str, str] = {}
-    return re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0), f"NAME{len(names)}"), ptx)
+    return re.sub(r"_Z\w+|_cudapy_smem_\d+", lambda m: names.setdefault(m.group(0), f"NAME{len(names)}"), ptx)
+
+
+def kernel_of(target: str):
+    """The kernel a target names: "module:kernel", or "module:factory@C" (or "@C,N") for a kernel built per
+    width C (and block N); a "#note" at the end tells two signatures of one kernel apart."""
+    module, name = target.split("#")[0].split(":")
+    name, _, width = name.partition("@")
+    obj = getattr(importlib.import_module(module), name)
+    return obj(*(int(n) for n in width.split(","))) if width else obj
 
 
 def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
-    """(PTX, {registers, spill stores, spill loads}) of one kernel."""
-    module, name = target.split(":")
-    kernel = getattr(importlib.import_module(module), name)
+    """(PTX, {registers, spill bytes, stack frame bytes}) of one kernel."""
+    kernel = kernel_of(target)
     bounds = kernel.targetoptions.get("launch_bounds")
     fastmath = kernel.targetoptions.get("fastmath", False)        # as the kernel's own jit compiles it
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds, fastmath=fastmath)
@@ -164,7 +210,8 @@ def compile_one(target: str, sig: tuple) -> tuple[str, dict]:
     if out.returncode:
         raise RuntimeError(out.stderr.strip())
     stats = {"registers": int(re.search(r"Used (\d+) registers", out.stderr).group(1)),
-             "spill": sum(int(x) for x in re.findall(r"(\d+) bytes spill", out.stderr))}
+             "spill": sum(int(x) for x in re.findall(r"(\d+) bytes spill", out.stderr)),
+             "stack": sum(int(x) for x in re.findall(r"(\d+) bytes stack frame", out.stderr))}
     return ptx, stats
 
 
@@ -181,10 +228,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/compile_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="kernels whose module:name contains this")
     p.add_argument("--ptx-dir", default=None, help="write each kernel's PTX (names numbered) here")
+    p.add_argument("--dev", action="store_true",
+                   help="also the candidate versions kept in dev/<layer>.py (not yet in llmz/fast/)")
     args = p.parse_args(argv)
     failed = 0
     for bf16 in (False, True):
-        for target, sig in signatures(bf16).items():
+        targets = {**signatures(bf16), **(dev_signatures(bf16) if args.dev else {})}
+        for target, sig in targets.items():
             if args.only not in target:
                 continue
             tag = f"{target.split(':')[1]} ({'bf16' if bf16 else 'fp32'})"
@@ -195,10 +245,11 @@ def main(argv=None) -> int:
                 print(f"FAIL {target} ({'bf16' if bf16 else 'fp32'}): {str(e).splitlines()[-1] if str(e) else e!r}")
                 continue
             print(f"ok   {tag:<58} {stats['registers']:>4} registers, {stats['spill']:>4} bytes spilled, "
-                  f"PTX {len(ptx):>7} chars   [{target.split(':')[0]}]")
+                  f"{stats['stack']:>4} bytes stack, PTX {len(ptx):>7} chars   [{target.split(':')[0]}]")
             if args.ptx_dir:
                 os.makedirs(args.ptx_dir, exist_ok=True)
-                with open(os.path.join(args.ptx_dir, f"{tag.replace(' ', '_')}.ptx"), "w") as f:
+                name = f"{target.replace(':', '.')}_({'bf16' if bf16 else 'fp32'}).ptx"     # unique per kernel
+                with open(os.path.join(args.ptx_dir, name), "w") as f:
                     f.write(numbered(ptx))
     print(f"{failed} of the kernels failed to compile" if failed else "every kernel compiled for sm_90")
     return 1 if failed else 0

@@ -35,6 +35,7 @@ from .gemm import Heads, gemm_heads
 ROWS_PER_BLOCK = 8                      # warps (rows) per block of the softmax kernels
 UNROLL = 4                              # words a lane loads per iteration, before it computes with any
 CHUNK = 32 * UNROLL                     # words of a row a warp reads per iteration
+NINF32, ZERO32 = np.float32(-np.inf), np.float32(0.0)
 
 
 # ---- the softmax, one warp per row, on words of two elements ----------------------------------------------
@@ -56,28 +57,41 @@ def _tril_pair(a, r, t, w, v0, v1, zero):
     store_pair(a, (r, t, w), v0 if 2 * w <= t else zero, v1 if 2 * w + 1 <= t else zero)
 
 
+# _square_row and _chunk_at are inlined by Numba (inline="always"), before LLVM sees the kernel: the kernels
+# then compile to the PTX of the same lines written out in each (as plain device functions LLVM inlines them
+# later and orders the address arithmetic differently: tools/compile_check.py --ptx-dir shows it).
+@cuda.jit(device=True, inline="always")
+def _square_row(a, row):
+    """(r, t): warp_row's row of the (R,T,T/2) paired view a as row t of square r."""
+    r = row // a.shape[1]
+    return r, row - r * a.shape[1]
+
+
+@cuda.jit(device=True, inline="always")
+def _chunk_at(a, r, t, w, last, fill):
+    """A lane's 8 elements of an iteration: words w, w+32, w+64, w+96 of row a[r, t] (_pair_at each), all four
+    loads issued together."""
+    x0, x1 = _pair_at(a, r, t, w, last, fill)
+    x2, x3 = _pair_at(a, r, t, w + 32, last, fill)
+    x4, x5 = _pair_at(a, r, t, w + 64, last, fill)
+    x6, x7 = _pair_at(a, r, t, w + 96, last, fill)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
 @cuda.jit
 def softmax_rows_pairs_kernel(att, preatt, write_upper):
     # att, preatt: (R,T,T/2) paired views of (R,T,T) rows. One warp per row, lane l taking words l, l+32, ...
     # Overwrites att on and below the diagonal; above it writes +0.0 if write_upper, else leaves it (the
     # caller's att already holds the zeros: a quarter of the kernel's bytes not moved).
-    T = att.shape[1]
-    W = att.shape[2]
     row, lane = warp_row()
-    if row >= att.shape[0] * T:
+    if row >= att.shape[0] * att.shape[1]:
         return
-    r = row // T
-    t = row - r * T
-    ninf = numba.float32(-math.inf)
-    zero = numba.float32(0.0)
+    r, t = _square_row(att, row)
     # online max and sum over t2 <= t: words w <= t // 2, eight elements per lane per iteration
-    m = ninf
-    s = zero
+    m = NINF32
+    s = ZERO32
     for w in range(lane, t // 2 + 1, CHUNK):
-        x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
-        x2, x3 = _pair_at(preatt, r, t, w + 32, t, ninf)
-        x4, x5 = _pair_at(preatt, r, t, w + 64, t, ninf)
-        x6, x7 = _pair_at(preatt, r, t, w + 96, t, ninf)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_at(preatt, r, t, w, t, NINF32)
         mx = max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7)))     # x0 <= t: finite
         if mx > m:
             s *= math.exp(m - mx)
@@ -88,65 +102,46 @@ def softmax_rows_pairs_kernel(att, preatt, write_upper):
     inv = numba.float32(1.0) / s
     # normalise: the loads of the iteration first, then its stores; 0 above the diagonal (the words up to
     # the diagonal's only, unless write_upper)
-    end = W if write_upper else t // 2 + 1
+    end = att.shape[2] if write_upper else t // 2 + 1
     for w in range(lane, end, CHUNK):
-        x0, x1 = _pair_at(preatt, r, t, w, t, ninf)
-        x2, x3 = _pair_at(preatt, r, t, w + 32, t, ninf)
-        x4, x5 = _pair_at(preatt, r, t, w + 64, t, ninf)
-        x6, x7 = _pair_at(preatt, r, t, w + 96, t, ninf)
-        _tril_pair(att, r, t, w, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, zero)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_at(preatt, r, t, w, t, NINF32)
+        _tril_pair(att, r, t, w, math.exp(x0 - m) * inv, math.exp(x1 - m) * inv, ZERO32)
         if w + 32 < end:
-            _tril_pair(att, r, t, w + 32, math.exp(x2 - m) * inv, math.exp(x3 - m) * inv, zero)
+            _tril_pair(att, r, t, w + 32, math.exp(x2 - m) * inv, math.exp(x3 - m) * inv, ZERO32)
         if w + 64 < end:
-            _tril_pair(att, r, t, w + 64, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv, zero)
+            _tril_pair(att, r, t, w + 64, math.exp(x4 - m) * inv, math.exp(x5 - m) * inv, ZERO32)
         if w + 96 < end:
-            _tril_pair(att, r, t, w + 96, math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, zero)
+            _tril_pair(att, r, t, w + 96, math.exp(x6 - m) * inv, math.exp(x7 - m) * inv, ZERO32)
 
 
 @cuda.jit
 def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
     # paired views (R,T,T/2), one warp per row as softmax_rows_pairs_kernel. Overwrites dpreatt on and below the
     # diagonal; above it as softmax_rows_pairs_kernel does att.
-    T = att.shape[1]
-    W = att.shape[2]
     row, lane = warp_row()
-    if row >= att.shape[0] * T:
+    if row >= att.shape[0] * att.shape[1]:
         return
-    r = row // T
-    t = row - r * T
-    zero = numba.float32(0.0)
+    r, t = _square_row(att, row)
     # sum over t2 <= t of att * datt
-    s = zero
+    s = ZERO32
     for w in range(lane, t // 2 + 1, CHUNK):
-        a0, a1 = _pair_at(att, r, t, w, t, zero)
-        a2, a3 = _pair_at(att, r, t, w + 32, t, zero)
-        a4, a5 = _pair_at(att, r, t, w + 64, t, zero)
-        a6, a7 = _pair_at(att, r, t, w + 96, t, zero)
-        d0, d1 = _pair_at(datt, r, t, w, t, zero)
-        d2, d3 = _pair_at(datt, r, t, w + 32, t, zero)
-        d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
-        d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _chunk_at(att, r, t, w, t, ZERO32)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _chunk_at(datt, r, t, w, t, ZERO32)
         s += ((a0 * d0 + a1 * d1) + (a2 * d2 + a3 * d3)) + ((a4 * d4 + a5 * d5) + (a6 * d6 + a7 * d7))
     total = warp_sum(s)
     # dpreatt = att * (datt - total) on and below the diagonal, 0 above (up to the diagonal's word only,
     # unless write_upper)
-    end = W if write_upper else t // 2 + 1
+    end = att.shape[2] if write_upper else t // 2 + 1
     for w in range(lane, end, CHUNK):
-        a0, a1 = _pair_at(att, r, t, w, t, zero)
-        a2, a3 = _pair_at(att, r, t, w + 32, t, zero)
-        a4, a5 = _pair_at(att, r, t, w + 64, t, zero)
-        a6, a7 = _pair_at(att, r, t, w + 96, t, zero)
-        d0, d1 = _pair_at(datt, r, t, w, t, zero)
-        d2, d3 = _pair_at(datt, r, t, w + 32, t, zero)
-        d4, d5 = _pair_at(datt, r, t, w + 64, t, zero)
-        d6, d7 = _pair_at(datt, r, t, w + 96, t, zero)
-        _tril_pair(dpreatt, r, t, w, a0 * (d0 - total), a1 * (d1 - total), zero)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _chunk_at(att, r, t, w, t, ZERO32)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _chunk_at(datt, r, t, w, t, ZERO32)
+        _tril_pair(dpreatt, r, t, w, a0 * (d0 - total), a1 * (d1 - total), ZERO32)
         if w + 32 < end:
-            _tril_pair(dpreatt, r, t, w + 32, a2 * (d2 - total), a3 * (d3 - total), zero)
+            _tril_pair(dpreatt, r, t, w + 32, a2 * (d2 - total), a3 * (d3 - total), ZERO32)
         if w + 64 < end:
-            _tril_pair(dpreatt, r, t, w + 64, a4 * (d4 - total), a5 * (d5 - total), zero)
+            _tril_pair(dpreatt, r, t, w + 64, a4 * (d4 - total), a5 * (d5 - total), ZERO32)
         if w + 96 < end:
-            _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), zero)
+            _tril_pair(dpreatt, r, t, w + 96, a6 * (d6 - total), a7 * (d7 - total), ZERO32)
 
 
 # The paired forward again with the row held in registers (T <= 2 * 32 * WORDS_PER_LANE = 1024: d12's T):
@@ -162,37 +157,32 @@ VALUES_PER_LANE = 2 * WORDS_PER_LANE       # the elements of those words
 @cuda.jit
 def softmax_rows_pairs_regs_kernel(att, preatt, write_upper):
     # att, preatt: (R,T,T/2) paired views, T <= 64 * WORDS_PER_LANE. As softmax_rows_pairs_kernel.
-    T = att.shape[1]
-    W = att.shape[2]
     row, lane = warp_row()
-    if row >= att.shape[0] * T:
+    if row >= att.shape[0] * att.shape[1]:
         return
-    r = row // T
-    t = row - r * T
-    ninf = numba.float32(-math.inf)
-    zero = numba.float32(0.0)
+    r, t = _square_row(att, row)
     # the row on and below the diagonal, all loads in flight at once (-inf past it)
     x = cuda.local.array(VALUES_PER_LANE, numba.float32)
     for k in range(WORDS_PER_LANE):
-        x[2 * k], x[2 * k + 1] = _pair_at(preatt, r, t, lane + 32 * k, t, ninf)
+        x[2 * k], x[2 * k + 1] = _pair_at(preatt, r, t, lane + 32 * k, t, NINF32)
     loads_barrier()
     # this lane's max, and its sum of exp(x - max) (a lane with no element: max -inf, sum 0)
-    m = ninf
+    m = NINF32
     for k in range(VALUES_PER_LANE):
         m = max(m, x[k])
-    base = m if m != ninf else zero
-    s = zero
+    base = m if m != NINF32 else ZERO32
+    s = ZERO32
     for k in range(VALUES_PER_LANE):
         s += math.exp(x[k] - base)
     # the row's max and 1 / sum, in every lane
     m, s = warp_max_sum(m, s)
     inv = numba.float32(1.0) / s
     # att = exp(x - max) / sum on and below the diagonal, 0 above (up to the diagonal's word, or all W)
-    end = W if write_upper else t // 2 + 1
+    end = att.shape[2] if write_upper else t // 2 + 1
     for k in range(WORDS_PER_LANE):
         w = lane + 32 * k
         if w < end:
-            _tril_pair(att, r, t, w, math.exp(x[2 * k] - m) * inv, math.exp(x[2 * k + 1] - m) * inv, zero)
+            _tril_pair(att, r, t, w, math.exp(x[2 * k] - m) * inv, math.exp(x[2 * k + 1] - m) * inv, ZERO32)
 
 
 def _pairs_ok(*xs) -> bool:

@@ -89,6 +89,21 @@ def stage_rows(N, rows_per_block):
     return c, row0 + cuda.threadIdx.y, min(row0 + rows_per_block, N), cuda.blockDim.y
 
 
+@cuda.jit(device=True, inline="always")
+def add_in_order(acc, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc + x0 + x1 + ... + x7, added one at a time in that order (float64). Inlined by Numba
+    (inline="always"): the kernels compile to the PTX of the adds written out in place."""
+    acc += x0
+    acc += x1
+    acc += x2
+    acc += x3
+    acc += x4
+    acc += x5
+    acc += x6
+    acc += x7
+    return acc
+
+
 @cuda.jit(device=True)
 def sum_rows(x, c, first, end, step):
     """The float64 sum of x[first:end:step, c] (x: (rows, C), any storage), added in row order. The loads go
@@ -108,14 +123,7 @@ def sum_rows(x, c, first, end, step):
         x5 = load(x, (row + 5 * step, c))
         x6 = load(x, (row + 6 * step, c))
         x7 = load(x, (row + 7 * step, c))
-        acc += x0
-        acc += x1
-        acc += x2
-        acc += x3
-        acc += x4
-        acc += x5
-        acc += x6
-        acc += x7
+        acc = add_in_order(acc, x0, x1, x2, x3, x4, x5, x6, x7)
         row += 8 * step
     # the last rows (fewer than eight), one at a time
     while row < end:
@@ -218,22 +226,8 @@ def sum_rows_pair(x, w, first, end, step):
         u5, v5 = load_pair(x, (row + U5 * step, w))
         u6, v6 = load_pair(x, (row + U6 * step, w))
         u7, v7 = load_pair(x, (row + U7 * step, w))
-        a0 += u0
-        a0 += u1
-        a0 += u2
-        a0 += u3
-        a0 += u4
-        a0 += u5
-        a0 += u6
-        a0 += u7
-        a1 += v0
-        a1 += v1
-        a1 += v2
-        a1 += v3
-        a1 += v4
-        a1 += v5
-        a1 += v6
-        a1 += v7
+        a0 = add_in_order(a0, u0, u1, u2, u3, u4, u5, u6, u7)
+        a1 = add_in_order(a1, v0, v1, v2, v3, v4, v5, v6, v7)
         row += U8 * step
     # the last rows (fewer than eight), one at a time
     while row < end:
@@ -267,22 +261,8 @@ def sum_rows_two(x, c0, c1, first, end, step):
         u5, v5 = load(x, (r5, c0)), load(x, (r5, c1))
         u6, v6 = load(x, (r6, c0)), load(x, (r6, c1))
         u7, v7 = load(x, (r7, c0)), load(x, (r7, c1))
-        a0 += u0
-        a0 += u1
-        a0 += u2
-        a0 += u3
-        a0 += u4
-        a0 += u5
-        a0 += u6
-        a0 += u7
-        a1 += v0
-        a1 += v1
-        a1 += v2
-        a1 += v3
-        a1 += v4
-        a1 += v5
-        a1 += v6
-        a1 += v7
+        a0 = add_in_order(a0, u0, u1, u2, u3, u4, u5, u6, u7)
+        a1 = add_in_order(a1, v0, v1, v2, v3, v4, v5, v6, v7)
         row += U8 * step
     while row < end:
         a0 += load(x, (row, c0))
