@@ -1,6 +1,6 @@
 """python -m llmz.bench: time llmz's training step, kernel by kernel, and beside PyTorch.
 
-Trains `--model` (d12 = GPT-2 124M) on random tokens through llmz.train.Run (the same step that
+Trains `--model` (d12 = GPT-2 124M) on random tokens through llmz.trainer.Trainer (the same step that
 `python -m llmz.train` runs: CUDA graphs, ZeRO stage, everything) for a few warm-up and then timed steps,
 and prints ms per step, tokens/s, MFU and the GPU memory held.
   --per-kernel  one more step, eager, with CUDA events around every kernel and cuBLAS call: a table of
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import sys
 import tempfile
@@ -26,7 +27,14 @@ import time
 
 import numpy as np
 
+from . import torch_ref
+from .args import Parser, check_bench, check_kernels, check_train
+from .config import TrainConfig, preset
+from .data import write_tokens
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
+from .launch import abort_on_error, init_ranks
+from .precision import PRECISIONS
+from .runlog import mfu
 
 # the card's ceilings for the per-kernel table: HBM bandwidth, dense tensor-core throughput
 CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
@@ -34,7 +42,6 @@ CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .args import Parser
     p = Parser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--device", choices=KINDS, default="auto")
@@ -43,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vocab-size", type=int, default=50257)
     a("-b", "--batch-size", type=int, default=None, help="B (default 16; 4 with --layer)")
     a("-t", "--seq-len", type=int, default=1024)
-    a("--precision", choices=("fp32", "fp64", "bf16"), default="fp32")
+    a("--precision", choices=tuple(PRECISIONS), default="fp32")
     a("--kernels", choices=KERNEL_SETS, default="auto", help="as in llmz.train: fast (GPU default) or teaching")
     a("--matmul", choices=MATMULS, default="auto", help="as in llmz.train: cublas or numba (the tiled kernel)")
     a("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train: flash, gemm or direct "
@@ -65,18 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_run(args, kind: str, data_path: str, stage: int):
-    """An llmz.train.Run of `args` at ZeRO `stage`, training on the token file at data_path."""
-    from .launch import init_ranks
-    from .train import Run, parse_args
-    flags = ["--device", kind, "--model", args.model, "--vocab-size", str(args.vocab_size),
-             "-b", str(args.batch_size), "-t", str(args.seq_len), "--precision", args.precision,
-             "--kernels", args.kernels, "--matmul", args.matmul, "--attention", args.attention,
-             "--zero-stage", str(stage),
-             "--train-data", data_path, "--val-data", "", "--steps", str(args.warmup + args.steps + 1),
-             "--lr", "3e-4", "--warmup-steps", "0", "--quiet"]
-    flags += ["--no-tf32"] * args.no_tf32 + ["--no-cuda-graph"] * args.no_cuda_graph
-    run_args, kind = parse_args(flags, kind=kind)
-    return Run(run_args, kind, init_ranks())
+    """An llmz.trainer.Trainer of `args` at ZeRO `stage`, training on the token file at data_path."""
+    from .trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
+    cfg = TrainConfig(device=kind, precision=args.precision, kernels=args.kernels, matmul=args.matmul,
+                      attention=args.attention, no_tf32=args.no_tf32, no_cuda_graph=args.no_cuda_graph,
+                      zero_stage=stage, model=args.model, vocab_size=args.vocab_size, train_data=data_path,
+                      val_data="", batch_size=args.batch_size, seq_len=args.seq_len,
+                      steps=args.warmup + args.steps + 1, lr=3e-4, warmup_steps=0, quiet=True)
+    cfg = cfg.for_device(kind)
+    check_train(cfg, kind)
+    return Trainer(cfg, kind, init_ranks())
 
 
 def gpu_name(dev) -> str:
@@ -152,13 +157,12 @@ def per_kernel(run, step: int, precision: str) -> str:
 
 def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     """Warm up, then time args.steps steps of `stage`; prints its lines and returns its row."""
-    from .train import mfu
     B, T = args.batch_size, args.seq_len
     run = make_run(args, kind, path, stage)
     dev = run.dev
     paths = (f"{dev.kernel_set} kernels, matmul {dev.matmul}"
              f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
-             f"attention {dev.attention}" if dev.kernels else "the NumPy references")
+             f"attention {dev.attention}" if dev.kind != "cpu" else "the NumPy references")
     print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs "
           f"{'on' if run.graphs.enabled else 'off'}, ZeRO stage {stage}; model {args.model} "
           f"({cfg.num_parameters():,} parameters), B={B} T={T}")
@@ -189,8 +193,6 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     run.comm.close()
     del run
     if kind == "gpu":                  # the next stage starts from an empty pool, as a fresh process would
-        import gc
-
         import cupy
         gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
@@ -198,8 +200,6 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from .args import check_bench
-    from .launch import abort_on_error
     with abort_on_error():               # a bad flag or file: one line; Ctrl-C: one line
         args = build_parser().parse_args(argv)
         check_bench(args)
@@ -207,15 +207,12 @@ def main(argv=None) -> int:
 
 
 def bench(args) -> int:
-    from .args import check_kernels
     kind = resolve(args.device)
     check_kernels(args, kind)
     if args.layer:
-        from .bench_layers import main as layer_main
-        return layer_main(args, kind)
+        from . import bench_layers  # it imports the kernels, so numba: after the device is resolved
+        return bench_layers.main(args, kind)
     args.batch_size = args.batch_size or 16
-    from .config import preset
-    from .data import write_tokens
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
     rows = []
@@ -237,10 +234,9 @@ def bench(args) -> int:
                   f" {util} {r['ms'] / rows[0]['ms'] - 1:+8.1%} {gib} {r['loss']:8.4f}")
     tps = rows[-1]["tokens_per_s"]
     if args.vs_torch:
-        from .torch_ref import torch_bench
         for mode in ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,):
-            r = torch_bench(cfg, B, T, args.precision, args.steps, args.warmup, attention=args.torch_attention,
-                            compile=mode == "compile")
+            r = torch_ref.torch_bench(cfg, B, T, args.precision, args.steps, args.warmup,
+                                      attention=args.torch_attention, compile=mode == "compile")
             print(f"  PyTorch {r['torch_version']} {'torch.compile' if mode == 'compile' else 'eager'} "
                   f"({r['attention']}, {args.precision}"
                   f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "

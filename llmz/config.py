@@ -1,7 +1,11 @@
-"""GPT-2's shape (GPT2Config) and its presets, from `tiny` (tests) to `d12` (GPT-2 124M)."""
+"""What to train: GPT-2's shape (GPT2Config) and its presets, from `tiny` (tests) to `d12` (GPT-2 124M); and
+how to train it (TrainConfig), the run configuration `python -m llmz.train` maps its flags onto."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, replace
+
+from .watchdog import DEFAULT_TIMEOUT_S
 
 
 def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
@@ -25,10 +29,6 @@ class GPT2Config:
             raise ValueError(f"channels {self.channels} is not a multiple of num_heads {self.num_heads}")
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
-
-    @property
-    def head_size(self) -> int:
-        return self.channels // self.num_heads
 
     def num_parameters(self) -> int:
         """Parameters including the padded wte rows (llm.c counts them too)."""
@@ -63,3 +63,83 @@ def preset(name: str, vocab_size: int = 50257, max_seq_len: int = 1024,
     Vp = padded_vocab_size or padded_vocab(vocab_size)
     return GPT2Config(max_seq_len=max_seq_len, vocab_size=vocab_size, padded_vocab_size=Vp,
                       num_layers=L, num_heads=NH, channels=C)
+
+
+def default_model(kind: str) -> str:
+    """The preset a run trains when none is named: d6 on a GPU, `small` on a laptop's CPU."""
+    return "d6" if kind == "gpu" else "small"
+
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+@dataclass
+class TrainConfig:
+    """One training run, every setting: the fields are `python -m llmz.train`'s flags (--zero-stage is
+    zero_stage), with the same defaults and meanings (`--help` says them). None: filled in for the device by
+    for_device (the model, B, T, the steps), or not used (a file not written, no --max-loss, ...)."""
+    # where and how the step runs
+    device: str = "auto"                # auto, gpu, cpu or sim
+    precision: str = "fp32"             # fp32, fp64 or bf16 (llmz.precision)
+    comm: str = "auto"                  # auto, nccl or mpi
+    kernels: str = "auto"               # the kernel set: auto, teaching or fast (llmz.device)
+    matmul: str = "auto"                # auto, cublas or numba
+    attention: str = "auto"             # auto, gemm, direct or flash
+    no_tf32: bool = False
+    no_cuda_graph: bool = False
+    zero_stage: int = 0                 # 0, 1, 2 or 3 (llmz.zero)
+    no_overlap: bool = False
+    # the model
+    model: str | None = None            # a preset of PRESETS
+    init_from: str | None = None        # an llm.c model file to start from
+    max_seq_len: int | None = None
+    vocab_size: int | None = None
+    seed: int = 1337
+    # the data
+    train_data: str = os.path.join(DEFAULT_DATA, "shakespeare_train.bin")
+    val_data: str = os.path.join(DEFAULT_DATA, "shakespeare_val.bin")      # '': no validation
+    tokenizer: str = "byte"
+    shuffle: bool = False
+    batch_size: int | None = None       # B per rank
+    seq_len: int | None = None          # T
+    grad_accum: int = 1                 # K micro-steps per optimizer step
+    # the optimizer (llmz.optim)
+    steps: int | None = None            # counted from the start of training
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"         # cosine or constant
+    final_lr_frac: float = 0.1
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    max_loss: float | None = None       # None: 3 ln V (llmz.guards)
+    # what the run reports and writes
+    val_every: int = 250
+    val_batches: int = 10
+    sample_every: int = 0
+    sample_tokens: int = 200
+    log: str | None = None              # --log FILE.jsonl (llmz.runlog)
+    save: str | None = None             # --save FILE.bin
+    trace: str | None = None            # --trace FILE.json (llmz.trace)
+    checkpoint_dir: str | None = None   # llmz.checkpointing
+    checkpoint_every: int = 0
+    keep: int = 0
+    resume: str | None = None           # a step folder, or 'latest'
+    quiet: bool = False
+    resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's or the log's
+    collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.watchdog)
+
+    def for_device(self, kind: str) -> TrainConfig:
+        """This configuration with the device-dependent defaults filled in: a small model on a laptop CPU,
+        a bigger one on a GPU (a run from a file, --init-from or --resume, takes the file's model)."""
+        gpu = kind == "gpu"
+        defaults = {"batch_size": 32 if gpu else 16, "seq_len": 256 if gpu else 64,
+                    "steps": 2000 if gpu else 1500}
+        if self.init_from is None and self.resume is None:      # resuming: the checkpoint says which model
+            defaults["model"] = default_model(kind)
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+    def to_dict(self) -> dict:
+        return asdict(self)

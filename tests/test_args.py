@@ -29,6 +29,31 @@ def parse(*argv, base=BASE):
     return parse_args([*base, *map(str, argv)], kind="cpu")
 
 
+def test_the_flags_map_one_to_one_onto_the_run_configuration():
+    """Every train flag is a TrainConfig field and every field a flag, with the field's default; a
+    configuration built in code (the lessons, llmz.bench) equals the one the same flags give."""
+    import dataclasses
+
+    from llmz.config import TrainConfig
+    from llmz.train import build_parser
+    dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert dests == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert TrainConfig(**vars(build_parser().parse_args([]))) == TrainConfig()
+    cfg, _ = parse("--zero-stage", 2, "--lr", 3e-3, "--precision", "bf16")
+    assert cfg == TrainConfig(device="cpu", model="tiny", batch_size=2, seq_len=8, steps=2, val_batches=1,
+                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16")
+
+
+@pytest.mark.parametrize("kind, want", [("cpu", ("small", 16, 64, 1500)), ("gpu", ("d6", 32, 256, 2000))])
+def test_a_configuration_gets_its_devices_defaults_and_keeps_what_it_says(kind, want):
+    from llmz.config import TrainConfig
+    cfg = TrainConfig().for_device(kind)
+    assert (cfg.model, cfg.batch_size, cfg.seq_len, cfg.steps) == want
+    given = TrainConfig(model="tiny", batch_size=0, seq_len=3, steps=0).for_device(kind)
+    assert (given.model, given.batch_size, given.seq_len, given.steps) == ("tiny", 0, 3, 0)   # 0 is refused later
+    assert TrainConfig(resume="latest").for_device(kind).model is None       # the checkpoint says which model
+
+
 def refused(*argv, match: str = "", base=BASE) -> str:
     """The flags are refused with a one-line UsageError (exit status 2) containing `match`."""
     with pytest.raises(UsageError) as e:
@@ -121,8 +146,9 @@ def test_files_and_flags_that_disagree_are_refused_at_start(files, tmp_path):
 
 
 def test_outputs_into_folders_that_do_not_exist_get_their_folders_at_start(tmp_path):
-    """Issue 21: --save runs/m.bin, --log runs/a.jsonl, --trace runs/t.json and --checkpoint-dir a/b/c get
-    their folders when the flags are checked, so nothing fails after training."""
+    """--save runs/m.bin, --log runs/a.jsonl, --trace runs/t.json and --checkpoint-dir a/b/c get their folders
+    when the flags are checked, so nothing fails after training (once, a missing folder failed the run at its
+    end, after all the training)."""
     parse("--save", tmp_path / "runs" / "m.bin", "--log", tmp_path / "logs" / "a.jsonl", "--zero-stage", "2",
           "--trace", tmp_path / "traces" / "t.json", "--checkpoint-dir", tmp_path / "a" / "b" / "c")
     for sub in ("runs", "logs", "traces", "a/b/c"):
@@ -239,7 +265,8 @@ def test_fuzzed_flags_start_cleanly_and_train_to_the_end_or_are_refused_in_one_l
     (valid) flags make it diverge, such as --lr 3e38, is stopped by the divergence check, naming the step,
     with nothing non-finite saved. No late failure, no other exception."""
     from llmz.state import checkpoints, load_checkpoint
-    from llmz.train import parse_args, train
+    from llmz.train import parse_args
+    from llmz.trainer import train
     outcomes = {"started": 0, "refused": 0, "stopped": 0}
 
     @FUZZ

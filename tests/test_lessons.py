@@ -1,7 +1,9 @@
 """Every lesson under `mpiexec -n 2` on cpu exits 0 with every checkpoint PASS; with a collective removed on
 purpose (LLMZ_LESSON_BREAK, honoured by lessons.common.apply_break) the checkpoints that measure it FAIL,
 every rank still finishes, and the lesson exits non-zero. Run alone, a lesson about ranks says so; a bad flag
-is one line; the figures are readable and named by their settings; lessons/README.md covers every lesson."""
+is one line; --diff prints what a lesson changed from the lesson it builds on; the figures are readable and
+named by their settings; lessons/README.md covers every lesson."""
+import difflib
 import re
 import subprocess
 import sys
@@ -85,6 +87,23 @@ def test_a_lesson_on_a_missing_gpu_is_one_error_line_and_exit_2(name):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --device gpu"), p.stderr
+
+
+@pytest.mark.parametrize("name", lesson_files())
+def test_diff_shows_what_a_lesson_changed_from_the_lesson_its_docstring_builds_on(name):
+    text = (REPO / "lessons" / f"{name}.py").read_text()
+    said = re.search(r"What changes from lesson (\d\d)", text)
+    p = subprocess.run([sys.executable, "-m", f"lessons.{name}", "--diff"], cwd=REPO, capture_output=True,
+                       text=True, check=False, timeout=120)
+    assert p.returncode == 0, p.stderr
+    if said is None:                                    # the first lesson, or an experiment of its own
+        assert p.stdout.startswith(f"{name} builds on no earlier lesson") and p.stdout.count("\n") == 1
+        return
+    before = next(n for n in lesson_files() if n.startswith(said.group(1)))
+    old = (REPO / "lessons" / f"{before}.py").read_text().splitlines(keepends=True)
+    new = text.splitlines(keepends=True)
+    want = difflib.unified_diff(old, new, f"lessons/{before}.py", f"lessons/{name}.py")
+    assert p.stdout == "".join(want) and p.stdout.startswith(f"--- lessons/{before}.py\n"), p.stdout[:200]
 
 
 def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints():
