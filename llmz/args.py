@@ -291,7 +291,7 @@ def check_train_model(cfg: TrainConfig, kind: str):
     if not resume and not cfg.init_from:
         if cfg.vocab_size is not None and cfg.vocab_size < tok.vocab_size:
             fail(f"--vocab-size {cfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens")
-        model = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size or tok.vocab_size,
+        model = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size, tokens=tok.vocab_size,
                        max_seq_len=cfg.max_seq_len or 1024)
     if model.vocab_size < tok.vocab_size:
         fail(f"the tokenizer ({cfg.tokenizer}) has {tok.vocab_size} tokens, the model only "

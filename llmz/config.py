@@ -40,29 +40,57 @@ class GPT2Config:
         return asdict(self)
 
 
-# name -> (num_layers, num_heads, channels). dN follows llm.c's depth naming: d12 is GPT-2 124M.
+# name -> (num_layers, num_heads, channels, vocab_size): one model per name, in every command. dN follows
+# llm.c's depth naming with GPT-2's vocabulary (d12 is GPT-2 124M, as llm.c's `-e d12`); tiny, small and thin
+# are byte-level, the vocabulary of llmz's default tokenizer. A run whose tokenizer has more tokens widens V
+# to the tokenizer's (model_vocab); --vocab-size sets it outright.
+GPT2_VOCAB, BYTE_VOCAB = 50257, 256
 PRESETS = {
-    "tiny": (2, 2, 16),
-    "small": (4, 4, 128),       # the laptop default: trains on the shipped data in minutes on 2 cores
-    "thin": (8, 2, 32),         # deep and narrow (the lessons): ZeRO-2's per-block gradient buckets pay off
-    "d2": (2, 2, 128),
-    "d4": (4, 4, 256),
-    "d6": (6, 6, 384),
-    "d12": (12, 12, 768),
-    "d24": (24, 16, 1024),
-    "d36": (36, 20, 1280),
-    "d48": (48, 25, 1600),
+    "tiny": (2, 2, 16, BYTE_VOCAB),
+    "small": (4, 4, 128, BYTE_VOCAB),   # the laptop default: trains on the shipped data in minutes on 2 cores
+    "thin": (8, 2, 32, BYTE_VOCAB),     # deep and narrow (the lessons): ZeRO-2's per-block gradient buckets pay off
+    "d2": (2, 2, 128, GPT2_VOCAB),
+    "d4": (4, 4, 256, GPT2_VOCAB),
+    "d6": (6, 6, 384, GPT2_VOCAB),
+    "d12": (12, 12, 768, GPT2_VOCAB),
+    "d24": (24, 16, 1024, GPT2_VOCAB),
+    "d36": (36, 20, 1280, GPT2_VOCAB),
+    "d48": (48, 25, 1600, GPT2_VOCAB),
 }
 
 
-def preset(name: str, vocab_size: int = 50257, max_seq_len: int = 1024,
-           padded_vocab_size: int | None = None) -> GPT2Config:
+def model_vocab(name: str, vocab_size: int | None = None, tokens: int = 0) -> int:
+    """V of preset `name` in a run: vocab_size (--vocab-size) where given, else the preset's own, widened to
+    `tokens` (the tokenizer's) where the tokenizer has more."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-    L, NH, C = PRESETS[name]
-    Vp = padded_vocab_size or padded_vocab(vocab_size)
-    return GPT2Config(max_seq_len=max_seq_len, vocab_size=vocab_size, padded_vocab_size=Vp,
+    return vocab_size or max(PRESETS[name][3], tokens)
+
+
+def preset(name: str, vocab_size: int | None = None, max_seq_len: int = 1024,
+           padded_vocab_size: int | None = None, tokens: int = 0) -> GPT2Config:
+    """Preset `name` as a GPT2Config; V as model_vocab says (the preset's own unless vocab_size or a
+    tokenizer of `tokens` tokens widens it)."""
+    V = model_vocab(name, vocab_size, tokens)
+    L, NH, C, _ = PRESETS[name]
+    Vp = padded_vocab_size or padded_vocab(V)
+    return GPT2Config(max_seq_len=max_seq_len, vocab_size=V, padded_vocab_size=Vp,
                       num_layers=L, num_heads=NH, channels=C)
+
+
+def describe_presets() -> str:
+    """Every preset with its shape and parameter count at maxT 1024, for --help:
+    'tiny (L=2 C=16 V=256: 41K), ...'."""
+    return ", ".join(f"{name} (L={L} C={C} V={V}: {fmt_count(preset(name).num_parameters())})"
+                     for name, (L, NH, C, V) in PRESETS.items())
+
+
+def fmt_count(n: int) -> str:
+    """957,184 -> '957K', 124,475,904 -> '124M', 1,557,686,400 -> '1.56B' (three significant digits)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def default_model(kind: str) -> str:

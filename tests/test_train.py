@@ -99,6 +99,16 @@ def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
         assert "--matmul cublas" in err[0]
 
 
+def test_bench_with_no_flags_on_a_cpu_times_the_default_training_runs_model():
+    """The defaults that fit a laptop (a GPU's, GPT-2 124M at B=16 T=1024, would need ~28 GiB here); only the step
+    counts are cut, to keep the test short."""
+    p = subprocess.run([sys.executable, "-m", "llmz.bench", "--device", "cpu", "--steps", "1", "--warmup", "0"],
+                       cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "model small (L=4 C=128 V=256: 957,184 parameters), B=16 T=64" in p.stdout, p.stdout
+    assert "training step" in p.stdout
+
+
 def test_bench_prints_ms_and_tokens_per_second_on_cpu():
     p = subprocess.run([sys.executable, "-m", "llmz.bench", "--device", "cpu", "--model", "tiny", "--vocab-size",
                         "256", "-b", "2", "-t", "16", "--steps", "2", "--warmup", "1"], cwd=REPO,
