@@ -227,7 +227,7 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
 def check_train_numbers(cfg: TrainConfig) -> None:
     """Every number finite and in its range; eps and lr within what the precision can hold."""
     positive(cfg, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
-             "max_loss")
+             "max_loss", "print_every")
     non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
                  "keep", "lr", "weight_decay", "grad_clip")
     need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")

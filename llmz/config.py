@@ -2,6 +2,7 @@
 how to train it (TrainConfig), the run configuration `python -m llmz.train` maps its flags onto."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -98,6 +99,14 @@ def default_model(kind: str) -> str:
     return "d6" if kind == "gpu" else "small"
 
 
+def default_print_every(steps: int) -> int:
+    """The interval between progress lines when --print-every is not given: about 25 lines a run, at a round
+    step count (1, 2 or 5 x 10^k, the one nearest steps / 25): 50 for 1500 steps, 100 for 2000, 1 up to 35."""
+    target = max(steps, 1) / 25
+    nice = [m * 10**k for k in range(len(str(max(steps, 1)))) for m in (1, 2, 5)]
+    return min(nice, key=lambda n: abs(math.log(n / target)))
+
+
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 
@@ -156,6 +165,7 @@ class TrainConfig:
     keep: int = 0
     resume: str | None = None           # a step folder, or 'latest'
     quiet: bool = False
+    print_every: int | None = None      # a progress line every N steps (None: default_print_every(steps))
     resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's or the log's
     collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.watchdog)
 
@@ -167,7 +177,10 @@ class TrainConfig:
                     "steps": 2000 if gpu else 1500}
         if self.init_from is None and self.resume is None:      # resuming: the checkpoint says which model
             defaults["model"] = default_model(kind)
-        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        filled = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        if filled.print_every is None:
+            filled = replace(filled, print_every=default_print_every(filled.steps))
+        return filled
 
     def to_dict(self) -> dict:
         return asdict(self)

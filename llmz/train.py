@@ -122,6 +122,10 @@ def output_flags(a) -> None:
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
       "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
     a("--quiet", action="store_true", help="no per-step lines")
+    a("--print-every", type=int, metavar="N", help="a progress line every N steps, and at the first and the "
+      "last step and every step that validates, samples or checkpoints; 1 = every step; --log records every "
+      "step whatever N is (default: about 25 lines a run, the round number nearest --steps / 25: 50 for the "
+      "default cpu run's 1500 steps, 100 for the gpu's 2000)")
     a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is "
       "of another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
     a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "

@@ -41,7 +41,7 @@ def test_the_flags_map_one_to_one_onto_the_run_configuration():
     assert TrainConfig(**vars(build_parser().parse_args([]))) == TrainConfig()
     cfg, _ = parse("--zero-stage", 2, "--lr", 3e-3, "--precision", "bf16")
     assert cfg == TrainConfig(device="cpu", model="tiny", batch_size=2, seq_len=8, steps=2, val_batches=1,
-                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16")
+                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16", print_every=1)
 
 
 @pytest.mark.parametrize("kind, want", [("cpu", ("small", 16, 64, 1500)), ("gpu", ("d6", 32, 256, 2000))])
@@ -52,6 +52,15 @@ def test_a_configuration_gets_its_devices_defaults_and_keeps_what_it_says(kind, 
     given = TrainConfig(model="tiny", batch_size=0, seq_len=3, steps=0).for_device(kind)
     assert (given.model, given.batch_size, given.seq_len, given.steps) == ("tiny", 0, 3, 0)   # 0 is refused later
     assert TrainConfig(resume="latest").for_device(kind).model is None       # the checkpoint says which model
+
+
+@pytest.mark.parametrize("steps, every", [(1, 1), (35, 1), (36, 2), (100, 5), (1500, 50), (2000, 100), (10**5, 5000)])
+def test_the_default_progress_interval_prints_about_25_lines_at_round_steps(steps, every):
+    from llmz.config import TrainConfig, default_print_every
+    assert default_print_every(steps) == every
+    assert TrainConfig(steps=steps).for_device("cpu").print_every == every
+    assert TrainConfig(steps=steps, print_every=7).for_device("cpu").print_every == 7     # what it says, kept
+    assert 16 <= -(-steps // every) <= 40 or steps <= 35
 
 
 @pytest.mark.parametrize("name", PRESETS)
