@@ -221,7 +221,8 @@ def help_entries(module: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("module", ["llmz.train", "llmz.sample", "llmz.bench"])
+@pytest.mark.parametrize("module", ["llmz.train", "llmz.sample", "llmz.bench", "lessons.00_one_device",
+                                    "lessons.04_stochastic_rounding", "lessons.05_stage3_parameter_sharding"])
 def test_every_flag_has_a_help_line_that_says_its_default_once(module):
     entries = help_entries(module)
     if module.startswith("llmz."):          # (a lesson's parser is llmz.args.parse_lesson's, with the flags it uses)
