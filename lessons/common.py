@@ -305,10 +305,13 @@ class Checkpoints:
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
-# under the memory chart of a one-rank run, where the later stages hold more than stage 0, not less
-ONE_RANK_NOTE = ("1 rank: every shard is the whole buffer, so no stage divides anything. Stage 2 adds two "
-                 "gradient slots and the embedding and lnf gradients beside its whole gradient shard; stage 3 "
-                 "the same again for the parameters. Run it under mpiexec -n 2 to see the bars shrink.")
+def one_rank_note(stages) -> str:
+    """The words under the memory chart of a one-rank run (whose ZeRO `stages` are drawn), where the later
+    stages hold more than stage 0, not less."""
+    three = "; stage 3 the same again for the parameters" if 3 in stages else ""
+    return ("1 rank: every shard is the whole buffer, so no stage divides anything. Stage 2 adds two gradient "
+            f"slots and the embedding and lnf gradients beside its whole gradient shard{three}. Run it under "
+            "mpiexec -n 2 to see the bars shrink.")
 
 
 def plot_memory(reports: dict[str, dict], path: str, title: str, note: str | None = None) -> None:
@@ -353,7 +356,7 @@ def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:
         return
     note = None
     if ranks.world_size == 1:
-        note = ONE_RANK_NOTE
+        note = one_rank_note([run.cfg.zero_stage for run in runs.values()])
         for run in runs.values():
             line = zero_on_one_rank(run.layout, run.cfg.zero_stage, run.precision.value_bytes)
             if line:

@@ -195,3 +195,20 @@ def test_memory_chart_legend_covers_no_bar():
     assert len(bars) == 12 and not any(legend.overlaps(b) for b in bars)
     totals = [t.get_text() for t in ax.texts]
     assert totals == ["6.29 MiB", "5.44 MiB", "4.96 MiB"], totals
+
+
+def test_a_one_rank_memory_chart_says_under_its_bars_why_stage_2_holds_more():
+    from lessons import common
+    cats = ("parameters", "gradients", "optimizer_state", "activations")
+    reports = {f"stage {s}": {"measured": dict(zip(cats, sizes))}
+               for s, sizes in enumerate([(9e5, 9e5, 1.8e6, 3e6), (9e5, 9e5, 1.8e6, 3e6), (9e5, 1.2e6, 1.8e6, 3e6)])}
+    fig = common.memory_figure(reports, "title", common.one_rank_note([0, 1, 2]))
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    note = ax.xaxis.label
+    assert "every shard is the whole buffer" in note.get_text() and "stage 3" not in note.get_text()
+    assert "stage 3 the same again" in common.one_rank_note([0, 1, 2, 3])
+    inside = fig.bbox
+    assert inside.x0 <= note.get_window_extent().x0 and note.get_window_extent().x1 <= inside.x1   # not cut off
+    assert not ax.get_legend().get_window_extent().overlaps(note.get_window_extent())
