@@ -6,7 +6,9 @@ final layernorm; the classifier (logits = x @ wte.T, softmax, cross-entropy). Ea
 functions, forward and backward, and each pair exists twice in the teaching set (llmz/kernels/*.py): a Numba
 CUDA kernel, run on the GPU, or on a laptop in Numba's CUDA simulator (--device sim), and a NumPy reference of
 the same math (--device cpu). llmz/fast/ holds the faster kernels the GPU runs by default, each tested against
-its teaching twin; --kernels teaching|fast picks the set. llmz.model.GPT2 calls the layers in order.
+its teaching twin; --kernels teaching|fast picks the set. The three are op sets with the same names and
+arguments (llmz.reference, llmz.kernels, llmz.fast): a Device picks one, `dev.ops`, and llmz.model.GPT2
+calls its layers in order.
 
 One training step:
     forward    the activations, and the loss: the mean cross-entropy over the B*T positions
@@ -17,28 +19,34 @@ One training step:
 Memory on one device, with Ψ parameters and b bytes per value (b = 4 in fp32; this lesson runs the CPU in
 fp64, b = 8, so that later lessons can compare ranks to the last bit):
     parameters b*Ψ + gradients b*Ψ + AdamW's m and v 2b*Ψ    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
-Each later lesson divides one more of these terms by the number of ranks N.
+Each later lesson divides one more of these terms by the number of ranks N. The words the lessons use (rank,
+Ψ, bucket, shard, micro-step, the collectives, slot, streams and events) are defined in lessons/README.md,
+before lesson 01.
 
 Checkpoints: (1) the kernels' loss equals the float64 reference's, (2) so does every gradient tensor,
 (3) repeated steps on one batch drive its loss down, (4) the bytes held are b*Ψ + b*Ψ + 2b*Ψ.
 
-There is nothing to communicate yet: under mpiexec every rank runs this same lesson on its own device
-(--comm is ignored) and rank 0 prints.
+There is nothing to communicate yet (so no --comm): under mpiexec every rank runs this same lesson on its
+own device and rank 0 prints.
 """
 import sys
 
 import numpy as np
 
 from lessons import common
+from llmz.config import GPT2Config, preset
+from llmz.device import Device, gpu_available, resolve
+from llmz.layout import Layout, init_parameters
+from llmz.memory import fmt_bytes
+from llmz.model import GPT2, FullGrads, FullParams
 
 # the kernels run in float32 against a float64 reference: rounding of sums of up to a few hundred terms
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
 def forward_backward(dev, config, params_host, x, y):
-    """One forward and backward on `dev` (kernels or NumPy references): the loss and the flat gradient."""
-    from llmz.layout import Layout
-    from llmz.model import GPT2, FullGrads, FullParams
+    """One forward and backward on `dev` (its op set: kernels or NumPy references): the loss and the flat
+    gradient."""
     B, T = x.shape
     layout = Layout(config, 1)
     params = dev.asarray(params_host, dev.dtype)
@@ -52,15 +60,11 @@ def forward_backward(dev, config, params_host, x, y):
 
 
 def lesson(a, ranks) -> int:
-    from llmz.device import gpu_available, resolve
     ck = common.Checkpoints(ranks, 4)
     # ---- 1. the layers as kernels, against their NumPy references -----------------------------------------
     # The kernels run on the GPU where there is one, else in the simulator (every CUDA thread a Python
     # thread: slow, so there the model is one block of 8 channels on 4 tokens); --kernels picks the set.
     kernel_kind = resolve("gpu" if a.kind != "sim" and gpu_available() else "sim")    # before numba loads
-    from llmz.config import GPT2Config, preset
-    from llmz.device import Device
-    from llmz.layout import Layout, init_parameters
     if kernel_kind == "gpu":
         config, B, T = preset(a.model, vocab_size=256, max_seq_len=a.seq_len), a.batch_size, a.seq_len
     else:
@@ -91,8 +95,9 @@ def lesson(a, ranks) -> int:
              f"worst relative error {errors[worst]:.1e} ({worst}), expected <= {GRAD_TOL:.0e}")
 
     # ---- 2. one training step, repeated on one batch ------------------------------------------------------
-    # llmz.train.Run holds the pieces (device, data, model, AdamW); with a world of one rank its ZeRO stage 0
-    # is simply "the gradient buffer and the optimizer", and its all-reduce over one rank is the identity.
+    # llmz.trainer.Trainer holds the pieces (device, data, model, AdamW); with a world of one rank its ZeRO
+    # stage 0 is simply "the gradient buffer and the optimizer", and its all-reduce over one rank is the
+    # identity.
     run = common.make_run(a, common.one_rank(ranks), stage=0, comm="auto")
     dev, model, z = run.dev, run.model, run.zero
     B, T = a.batch_size, a.seq_len
@@ -108,12 +113,12 @@ def lesson(a, ranks) -> int:
         losses.append(model.mean_loss())
         model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
         norm = z.update(step)              # reduce (one rank: nothing), norm, clip, AdamW; zero the gradients
-        common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
+        if common.shown(a, step):
+            common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
     ck.check(losses[-1] < losses[0], f"loss on one batch falls over {a.steps} steps: {losses[0]:.4f} -> "
              f"{losses[-1]:.4f} (expected: lower at the end)")
 
     # ---- 3. what one device holds ---------------------------------------------------------------------------
-    from llmz.memory import fmt_bytes
     m, psi, b = run.memory["measured"], run.layout.num_parameters, dev.dtype.itemsize
     want = {"parameters": b * psi, "gradients": b * psi, "optimizer_state": 2 * b * psi}
     ck.check(all(m[k] == v for k, v in want.items()),
@@ -124,4 +129,5 @@ def lesson(a, ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=10, sim_steps=3))
+    sys.exit(common.main(lesson, __doc__, steps=10, sim_steps=3, builds_on=None,
+                         uses=("--kernels", "--attention", "--model", "--print-every")))

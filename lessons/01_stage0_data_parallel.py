@@ -5,7 +5,8 @@ reads its own slice of the data (llm.c's order: micro-batch i of rank r starts a
 so a step sees N*B*T tokens. After backward each rank holds the gradient of ITS batch only. One all-reduce
 (average) per bucket gives every rank the gradient of the whole N*B batch; every rank then runs the same
 AdamW on the same numbers, so the parameters stay identical without ever being sent. The whole change is
-in llmz.zero.grads.FullGradients.reduce: a loop of comm.all_reduce over the buckets.
+in llmz.zero.grads.FullGradients.reduce: a loop of comm.all_reduce over the buckets. Here the run trains beside
+that one process, step by step (lessons.common.side_by_side); `--diff` shows this file's changes from 00.
 
 Nothing is divided by N: every rank holds everything.
     parameters bΨ + gradients bΨ + m and v 2bΨ on EVERY rank    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
@@ -23,39 +24,24 @@ per rank by category is bΨ + bΨ + 2bΨ, (4) bytes sent per rank per step are 2
 import sys
 
 from lessons import common
+from llmz.memory import fmt_bytes, table
 
 
 def lesson(a, ranks) -> int:
-    from llmz.memory import fmt_bytes, table
     N = ranks.world_size
     ck = common.Checkpoints(ranks, 4)
-    run = common.make_run(a, ranks, stage=0)                # N ranks, batch B each, all-reduce
-    common.apply_break(run.zero)
     # the reference: one process, a world of one, a batch of N*B: exactly the tokens the N ranks read together
     ref = (common.make_run(a, common.one_rank(ranks), stage=0, batch_size=N * a.batch_size, comm="auto")
            if ranks.rank == 0 else None)
-    c, psi, b = run.config, run.layout.num_parameters, run.dev.dtype.itemsize
-    common.say(ranks, f"{common.n_ranks(N)} on {run.dev.kind} ({a.precision}), comm {run.comm.name}: L={c.num_layers} "
-               f"C={c.channels} B={a.batch_size} T={a.seq_len}, Ψ = {psi:,} parameters")
-    losses, ref_losses, sent = [], [], []
-    for step in range(a.steps):
-        run.comm.reset_counters()
-        losses.append(run.step(step)["loss"])       # forward, backward, all-reduce, AdamW
-        sent.append(run.comm.bytes_sent)
-        line = f"step {step}: loss {losses[-1]:.10f} | sent {sent[-1]:,} B"
-        if ref:
-            ref_losses.append(ref.step(step)["loss"])
-            line += f" | one process, batch {N}x{a.batch_size}: loss {ref_losses[-1]:.10f}"
-        common.say(ranks, line)
+    run = common.make_run(a, ranks, stage=0)                # this lesson: N ranks, batch B each, all-reduce
+    common.apply_break(run.zero)
+    psi, b = run.layout.num_parameters, run.dev.dtype.itemsize
+    common.say_setup(a, ranks, run)
+    t = common.side_by_side(a, ranks, run, ref, (common.n_ranks(N), f"one process, batch {N}x{a.batch_size}"))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    if ref:
-        d = common.max_rel_diff(losses, ref_losses)
-        ck.check(d <= a.rtol, f"losses on {common.n_ranks(N)} = one process with the union batch over {a.steps} steps: "
-                 f"{losses[-1]:.10f} vs {ref_losses[-1]:.10f} at the last (worst relative difference {d:.1e}, "
-                 f"expected <= {a.rtol:.0e})", across_ranks=True)
-    else:
-        ck.check(True, "", across_ranks=True)                         # only rank 0 runs the reference; its verdict is the check's
+    common.check_same_losses(ck, a, t, f"losses on {common.n_ranks(N)} = one process with the union batch "
+                             f"over {a.steps} steps", across_ranks=True)     # only rank 0 runs the reference
     common.check_params_identical(ck, ranks, run)
     common.say(ranks, table(run.memory))
     m = run.memory["measured"]
@@ -67,12 +53,11 @@ def lesson(a, ranks) -> int:
              f"{fmt_bytes(m['gradients'])} + optimizer state {fmt_bytes(m['optimizer_state'])} = {b}Ψ + {b}Ψ + "
              f"{2 * b}Ψ with Ψ = {psi:,} (padding {max(off.values())} B, expected <= {2 * pad} B)")
     expect = 2 * (N - 1) * b * psi // N
-    worst = max(common.gather(ranks, max(sent)))
-    ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
+    worst, ok = common.sent_as_predicted(ranks, t.sent, expect)
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = 2(N-1)/N * {b}Ψ = {expect:,} B (ring all-reduce; "
              f"expected within 0.5%: padding and the 8-byte loss average)", across_ranks=True)
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True, builds_on="00_one_device"))

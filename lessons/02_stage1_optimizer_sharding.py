@@ -2,8 +2,9 @@
 
 What changes from lesson 01: in stage 0 every rank runs the same AdamW on the same numbers, N times over,
 and keeps N copies of m and v. Stage 1 splits that work. Each bucket of the flat buffer is padded to a
-multiple of N and cut into N slices; rank r owns slice r of every bucket (llmz.layout), and keeps m and v
-for its slices only. The step becomes (stage 1 in llmz.zero.STAGES: grads.py, sharded_adamw.py, params.py):
+multiple of N and cut into N slices; rank r owns slice r of every bucket, its shard (llmz.layout), and
+keeps m and v for its shard only. The step becomes (stage 1 in llmz.zero.STAGES: grads.py,
+sharded_adamw.py, params.py):
     reduce-scatter   each bucket's gradients: rank r receives the average over ranks of ITS slice only
     AdamW            on my slices: the parameters I own move, the others wait for their owners
     all-gather       each bucket's parameters: every rank receives every slice, all ranks equal again
@@ -22,50 +23,37 @@ bit-identical on every rank (the all-gather did its job), (3) the optimizer stat
 import sys
 
 from lessons import common
+from llmz.memory import fmt_bytes
 
 
 def lesson(a, ranks) -> int:
-    from llmz.memory import fmt_bytes
     N = ranks.world_size
     ck = common.Checkpoints(ranks, 4)
-    run0 = common.make_run(a, ranks, stage=0)              # lesson 01: the reference
-    run1 = common.make_run(a, ranks, stage=1)              # this lesson
-    common.apply_break(run1.zero)
-    c, psi, b = run1.config, run1.layout.num_parameters, run1.dev.dtype.itemsize
-    common.say(ranks, f"{common.n_ranks(N)} on {run1.dev.kind} ({a.precision}), comm {run1.comm.name}: L={c.num_layers} "
-               f"C={c.channels} B={a.batch_size} T={a.seq_len}, Ψ = {psi:,} parameters")
-    losses0, losses1, sent0, sent1 = [], [], [], []
-    for step in range(a.steps):
-        run0.comm.reset_counters()
-        run1.comm.reset_counters()
-        losses0.append(run0.step(step)["loss"])     # all-reduce, AdamW on everything
-        losses1.append(run1.step(step)["loss"])     # reduce-scatter, AdamW on my shard, all-gather
-        sent0.append(run0.comm.bytes_sent)
-        sent1.append(run1.comm.bytes_sent)
-        calls = ", ".join(f"{k} x{v}" for k, v in sorted(run1.comm.calls.items()))
-        common.say(ranks, f"step {step}: stage 1 loss {losses1[-1]:.10f} | stage 0 loss {losses0[-1]:.10f} | "
-                   f"stage 1 sent {sent1[-1]:,} B ({calls})")
+    ref = common.make_run(a, ranks, stage=0)                # lesson 01: the reference
+    run = common.make_run(a, ranks, stage=1)                # this lesson
+    common.apply_break(run.zero)
+    psi, b = run.layout.num_parameters, run.dev.dtype.itemsize
+    common.say_setup(a, ranks, run)
+    t = common.side_by_side(a, ranks, run, ref, ("stage 1", "stage 0"))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    d = common.max_rel_diff(losses1, losses0)
-    ck.check(d <= a.rtol, f"losses of stage 1 = stage 0's over {a.steps} steps: {losses1[-1]:.10f} vs "
-             f"{losses0[-1]:.10f} at the last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})")
-    common.check_params_identical(ck, ranks, run1)
-    opt0, opt1 = run0.memory["measured"]["optimizer_state"], run1.memory["measured"]["optimizer_state"]
+    common.check_same_losses(ck, a, t, f"losses of stage 1 = stage 0's over {a.steps} steps")
+    common.check_params_identical(ck, ranks, run)
+    opt0, opt1 = ref.memory["measured"]["optimizer_state"], run.memory["measured"]["optimizer_state"]
     formula = 2 * b * psi // N
-    pad = 2 * b * len(run1.layout.buckets)          # m and v: at most one padded value per bucket per rank
+    pad = 2 * b * len(run.layout.buckets)          # m and v: at most one padded value per bucket per rank
     ck.check(opt1 * N == opt0 and 0 <= opt1 - formula <= pad,
              f"optimizer state per rank {fmt_bytes(opt1)} = 1/{N} of stage 0's {fmt_bytes(opt0)} "
              f"(formula 2*{b}Ψ/N = {formula:,} B, measured {opt1:,} B: expected within padding, {pad} B)",
              across_ranks=True)
     expect = 2 * (N - 1) * b * psi // N
-    worst = max(common.gather(ranks, max(sent1)))
-    ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
-    ck.check(ok, f"bytes sent per rank per step {worst:,} B (stage 0: {max(sent0):,} B) = 2(N-1)/N * {b}Ψ = "
-             f"{expect:,} B (reduce-scatter + all-gather = one all-reduce; expected within 0.5%: padding, "
+    worst, ok = common.sent_as_predicted(ranks, t.sent, expect)
+    ck.check(ok, f"bytes sent per rank per step {worst:,} B (stage 0: {max(t.ref_sent):,} B) = 2(N-1)/N * "
+             f"{b}Ψ = {expect:,} B (reduce-scatter + all-gather = one all-reduce; expected within 0.5%: padding, "
              f"the loss average and the gradient norm's all-reduce)", across_ranks=True)
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True,
+                         builds_on="01_stage0_data_parallel"))

@@ -35,85 +35,57 @@ import os
 import sys
 
 from lessons import common
+from llmz.args import LESSON_FLAGS
+from llmz.trace import overlap_us
 
 
 def lesson(a, ranks) -> int:
-    from llmz.memory import fmt_bytes
     N, K = ranks.world_size, a.grad_accum
     ck = common.Checkpoints(ranks, 7)
     trace = common.figure_name(a, ranks, "stage2_timeline", ext="json", with_k=True)
-    if ranks.rank == 0:
-        os.makedirs(a.out, exist_ok=True)
-    run1 = common.make_run(a, ranks, stage=1)                          # lesson 02: the reference
-    run2 = common.make_run(a, ranks, stage=2, trace=trace)             # this lesson
-    run2s = common.make_run(a, ranks, stage=2, overlap=False)          # the same, serialised
-    for r in (run2, run2s):
+    ref = common.make_run(a, ranks, stage=1)                           # lesson 02: the reference
+    run = common.make_run(a, ranks, stage=2, trace=trace)              # this lesson
+    serial = common.make_run(a, ranks, stage=2, overlap=False)         # the same, serialised
+    for r in (run, serial):
         common.apply_break(r.zero)
-    c, psi, b, lay = run2.config, run2.layout.num_parameters, run2.dev.dtype.itemsize, run2.layout
-    L = c.num_layers
-    common.say(ranks, f"{common.n_ranks(N)} on {run2.dev.kind} ({a.precision}), comm {run2.comm.name}: L={L} "
-               f"C={c.channels} B={a.batch_size} T={a.seq_len} K={K}, Ψ = {psi:,} parameters")
-    traced = min(1, a.steps - 1)
-    losses1, losses2, sent, rs_in_backward, events = [], [], [], [], []
-    for step in range(a.steps):
-        losses1.append(run1.step(step)["loss"])
-        run2s.step(step)
-        if step == traced and ranks.rank == 0:
-            run2.tracer.start()                    # rank 0 records this step's timeline
-        run2.comm.reset_counters()
-        before = run2.zero.reduce_scatters_in_backward
-        losses2.append(run2.step(step)["loss"])
-        rs_in_backward.append(run2.zero.reduce_scatters_in_backward - before)
-        sent.append(run2.comm.bytes_sent)
-        if step == traced and ranks.rank == 0:
-            events = run2.tracer.stop(trace)["traceEvents"]
-        common.say(ranks, f"step {step}: stage 2 loss {losses2[-1]:.10f} | stage 1 loss {losses1[-1]:.10f} | "
-                   f"{rs_in_backward[-1]} reduce-scatters in backward | sent {sent[-1]:,} B")
+    psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.config.num_layers
+    common.say_setup(a, ranks, run)
+    reduce_scatters = ("reduce-scatters in backward", lambda r: r.zero.reduce_scatters_in_backward)
+    t = common.side_by_side(a, ranks, run, ref, ("stage 2", "stage 1"), serial=serial, trace=trace,
+                            measure=reduce_scatters)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    d = common.max_rel_diff(losses2, losses1)
-    ck.check(d <= a.rtol, f"losses of stage 2 = stage 1's over {a.steps} steps of K={K}: {losses2[-1]:.10f} vs "
-             f"{losses1[-1]:.10f} at the last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})")
-    common.check_params_identical(ck, ranks, run2)
-    slot = max(bk.padded_size for bk in lay.buckets[1:-1])
-    parts = {"shard": lay.shard_total, "two slots": 2 * slot, "embeddings": lay.embeddings.padded_size,
-             "lnf": lay.lnf.padded_size}
-    g1, g2 = run1.memory["measured"]["gradients"], run2.memory["measured"]["gradients"]
-    ck.check(g2 == b * sum(parts.values()),
-             f"gradients per rank {fmt_bytes(g2)} = " + " + ".join(f"{k} {fmt_bytes(b * v)}" for k, v in parts.items())
-             + f" (expected exactly), vs stage 1's full {fmt_bytes(g1)}: {g2 / g1:.2f}x")
-    ck.check(rs_in_backward == [K * (L + 2)] * a.steps,
-             f"reduce-scatters during backward per step {rs_in_backward} = K*(L+2) = {K}*({L}+2) = {K * (L + 2)} "
+    common.check_same_losses(ck, a, t, f"losses of stage 2 = stage 1's over {a.steps} steps of K={K}")
+    common.check_params_identical(ck, ranks, run)
+    common.check_sharded(ck, run, ref, "gradients", "stage 1")     # shard + two slots + embeddings + lnf
+    ck.check(t.measured == [K * (L + 2)] * a.steps,
+             f"reduce-scatters during backward per step {t.measured} = K*(L+2) = {K}*({L}+2) = {K * (L + 2)} "
              f"(every bucket, every micro-step)")
     expect = (K + 1) * (N - 1) * b * psi // N
-    worst = max(common.gather(ranks, max(sent)))
-    ok = abs(worst - expect) <= 0.005 * expect if N > 1 else worst == 0
+    worst, ok = common.sent_as_predicted(ranks, t.sent, expect)
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = (K+1)(N-1)/N * {b}Ψ = {expect:,} B ({K} reduce-scatters "
              f"+ 1 all-gather; stage 1 sends 2(N-1)/N * {b}Ψ; expected within 0.5%: padding and two scalars)",
              across_ranks=True)
-    same = common.gather(ranks, common.params_hash(run2s) == common.params_hash(run2))
+    same = common.same_bits(ranks, serial, run)
     ck.check(all(same), f"--no-overlap: parameters bit-identical to the overlapped run's on {sum(same)} of "
              f"{common.n_ranks(N)}, expected all (overlap changes the timing, never the numbers)")
+    ok, text = True, ""
     if ranks.rank == 0:
-        from llmz.trace import overlap_us
         png = os.path.splitext(trace)[0] + ".png"
-        spans = {s: sum(e["tid"] == s for e in events) for s in ("compute", "comm")}
+        spans = {s: sum(e["tid"] == s for e in t.events) for s in ("compute", "comm")}
         ok = os.path.getsize(png) > 0 and spans["compute"] == spans["comm"] == K * (L + 2)
-        text = (f"timeline {png} written: {spans['compute']} compute + {spans['comm']} comm spans in step {traced}, "
-                f"expected K*(L+2) = {K * (L + 2)} each (compute and comm overlap {overlap_us(events) / 1e3:.2f} ms: "
-                f"0 on cpu and sim, where everything runs in program order)")
-    else:
-        ok, text = True, ""
+        text = (f"timeline {png} written: {spans['compute']} compute + {spans['comm']} comm spans in step "
+                f"{min(1, a.steps - 1)}, expected K*(L+2) = {K * (L + 2)} each (compute and comm overlap "
+                f"{overlap_us(t.events) / 1e3:.2f} ms: 0 on cpu and sim, where everything runs in program "
+                f"order)")
     ck.check(ok, text)
     run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
-    if ranks.rank == 0:
-        reports = {"stage 0": run0.memory, "stage 1": run1.memory, "stage 2": run2.memory}
-        path = common.figure_name(a, ranks, "memory_per_rank")
-        common.plot_memory(reports, path,
-                           f"memory per rank: {a.model}, {N} ranks, {psi:,} parameters ({a.precision})")
-        common.say(ranks, f"wrote {path}")
+    common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": ref, "stage 2": run},
+                        common.figure_name(a, ranks, "memory_per_rank"),
+                        f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2, about_ranks=True))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True,
+                         builds_on="02_stage1_optimizer_sharding", uses=LESSON_FLAGS))

@@ -15,9 +15,10 @@ truncate; a carry out of the dropped 16 bits is the round-up.
 
 The random integer must not come from a generator with state, or a resume (or another rank) would draw
 different bits: llmz hashes (seed, element index, step) into it (llmz/bf16.py), so the same inputs give the
-same bits on every run and every rank. The kernel is llmz.kernels.accumulate.accumulate_shard_bf16: add in
-fp32, round back to bf16 (stochastically or to nearest), zero the slot, in one launch; the same rounding
-writes the bf16 parameters after AdamW updates their fp32 master copy (adamw_update_bf16).
+same bits on every run and every rank. The op is accumulate_shard_bf16 (llmz/kernels/accumulate.py: the
+kernel, and the NumPy reference a cpu Device runs): add in fp32, round back to bf16 (stochastically or to
+nearest), zero the slot, in one launch; the same rounding writes the bf16 parameters after AdamW updates
+their fp32 master copy (adamw_update_bf16).
 
 The experiment: n accumulators start at 1.0 and receive K adds of g = 2^-10 (--steps K), in three ways:
 bf16 round-to-nearest, bf16 stochastic, fp32; each is compared with the float64 sum 1 + K g.
@@ -26,7 +27,8 @@ Checkpoints: (1) round-to-nearest loses every add, (2) stochastic rounding is ri
 the n accumulators within 4 standard errors of float64), (3) its spread is the predicted one, (4) fp32 loses
 nothing here, (5) the same seed gives the same bits: a second run and every rank agree bit for bit.
 
-Under mpiexec every rank runs the same experiment on its own device (--comm is ignored) and rank 0 prints.
+Under mpiexec every rank runs the same experiment on its own device (nothing is sent but checkpoint 5's
+hashes, so no --comm) and rank 0 prints. It trains no model: its flags are --device, --steps and --diff.
 """
 import hashlib
 import sys
@@ -34,6 +36,8 @@ import sys
 import numpy as np
 
 from lessons import common
+from llmz.bf16 import bf16_to_f32, f32_to_bf16
+from llmz.device import Device
 
 G = 2.0**-10                    # the small gradient: 1/8 of bf16's step at 1.0, below the half step
 START = 1.0
@@ -57,8 +61,6 @@ def predicted_std(K: int) -> float:
 def accumulate(dev, K: int, n: int, mode: str, checkpoints=()):
     """n accumulators at START, K adds of G; mode 'nearest' | 'stochastic' (bf16) | 'fp32'. Returns the
     final values (float64, host) and those at the requested steps."""
-    from llmz.bf16 import bf16_to_f32, f32_to_bf16
-    from llmz.kernels.accumulate import accumulate_shard, accumulate_shard_bf16
     if mode == "fp32":
         acc, g = dev.asarray(np.full(n, START, np.float32)), dev.asarray(np.full(n, G, np.float32))
     else:                                                  # bf16: uint16 bit patterns
@@ -72,16 +74,15 @@ def accumulate(dev, K: int, n: int, mode: str, checkpoints=()):
     for t in range(K):
         dev.copy(slot, g)                                  # this micro-step's gradient, in the slot
         if mode == "fp32":
-            accumulate_shard(dev, acc, slot, 0)
+            dev.ops.accumulate_shard(dev, acc, slot, 0)
         else:                                              # add in fp32, round back to bf16, zero the slot
-            accumulate_shard_bf16(dev, acc, slot, 0, SEED, t, stochastic=(mode == "stochastic"))
+            dev.ops.accumulate_shard_bf16(dev, acc, slot, 0, SEED, t, stochastic=(mode == "stochastic"))
         if t + 1 in checkpoints:
             seen[t + 1] = value()
     return value(), seen, dev.to_host(acc)
 
 
 def lesson(a, ranks) -> int:
-    from llmz.device import Device
     dev = Device(a.kind, np.float32, gpu_index=ranks.local_rank)
     K, n = a.steps, ACCUMULATORS[a.kind]
     ck = common.Checkpoints(ranks, 5)
@@ -129,4 +130,5 @@ def lesson(a, ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=10_000, sim_steps=200, steps_help="K: adds of g into each accumulator"))
+    sys.exit(common.main(lesson, __doc__, steps=10_000, sim_steps=200,
+                         steps_help="K: adds of g into each accumulator", builds_on=None, uses=()))

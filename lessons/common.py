@@ -1,9 +1,14 @@
-"""What every lesson shares: its flags, building an llmz.train.Run, and the checkpoints.
+"""What every lesson shares: its flags, its runs (built through the library: an llmz.config.TrainConfig and an
+llmz.trainer.Trainer), the loop that trains this lesson's run beside the previous lesson's, the checkpoints,
+the figures, and --diff.
 
 A checkpoint compares a measured number with what the lesson's idea predicts, and rank 0 prints both:
     CHECKPOINT 2/4: parameters bit-identical on all 2 ranks: 1 distinct hash (3f2a9c01d4e7) ... PASS
 Its verdict is collective (failed on any rank = failed on all), so every rank exits with the same code and
 none is left waiting for another. The training itself is llmz's: these helpers only build and compare.
+
+`--diff` prints what a lesson changed from the lesson it builds on (a unified diff of the two files), as
+picotron's tutorial ships each step's diff.
 
 LLMZ_LESSON_BREAK=skip_all_gather (lessons 02, 03, 05) or skip_all_reduce (lesson 01) removes that collective
 on purpose, to watch the matching checkpoints fail (tests/test_lessons.py does). At stages 1 and 2 the
@@ -12,17 +17,25 @@ its own slice (the other ranks' part of the slot keeps whatever it held).
 """
 from __future__ import annotations
 
-import argparse
+import difflib
 import hashlib
 import os
 import socket
 import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from llmz.device import ATTENTIONS, KERNEL_SETS, KINDS, resolve
+from llmz.args import check_kernels, check_train, parse_lesson
+from llmz.config import TrainConfig, default_print_every
+from llmz.device import resolve
 from llmz.errors import UsageError
-from llmz.launch import allgather
+from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
+from llmz.memory import fmt_bytes
+from llmz.runlog import zero_on_one_rank
+from llmz.trace import save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -32,45 +45,21 @@ LOSS_RTOL = {"fp64": 1e-10, "fp32": 1e-4}
 # on the simulator, which runs every CUDA thread as a Python thread, the 2-layer `tiny` on a few tokens.
 DEFAULTS = {"cpu": ("thin", 2, 32), "gpu": ("thin", 4, 32), "sim": ("tiny", 1, 4)}
 BREAKS = ("skip_all_gather", "skip_all_reduce")
+LESSONS = Path(__file__).parent
 
 
 # ---- flags ------------------------------------------------------------------------------------------------
-def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None,
-          steps_help: str = "optimizer steps") -> argparse.Namespace:
-    """The lesson's flags; also resolves the device (before numba is imported: `sim` needs that)."""
+def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int, steps_help: str, uses: tuple[str, ...]):
+    """The lesson's flags (llmz.args.parse_lesson: --device, --steps, --diff and those it `uses`), the
+    device resolved (before numba is imported: `sim` needs that) and the defaults of that device filled in."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    from llmz.args import Parser, check_lesson  # one-line errors, defaults in --help
-    p = Parser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
-               epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
-               "each checkpoint measures.")
-    p.add_argument("--device", choices=KINDS, default="auto",
-                   help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA simulator")
-    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
-                   help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
-    p.add_argument("--kernels", choices=KERNEL_SETS, default="auto",
-                   help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, llmz/kernels/, "
-                   "elsewhere)")
-    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="as in llmz.train (default auto: on a GPU flash in bf16, gemm in fp32; direct elsewhere; flash: "
-                   "FlashAttention-2)")
-    p.add_argument("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
-    p.add_argument("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
-    p.add_argument("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")
-    p.add_argument("--seq-len", "-t", type=int, default=None,
-                   help="T, also the model's max_seq_len (default 32; 4 on sim)")
-    if grad_accum is not None:
-        p.add_argument("--grad-accum", type=int, default=grad_accum,
-                       help=f"K micro-steps per step (default {grad_accum})")
-    p.add_argument("--out", default="lessons_out",
-                   help="where figures go, named by model, ranks and K (default lessons_out)")
-    a = p.parse_args(argv)
-    a.lesson = name
-    check_lesson(a)                    # one line for a bad flag, on every rank (main calls this under the ranks)
+    a = parse_lesson(argv, name, doc, steps, sim_steps, grad_accum, steps_help, uses)
+    if a.diff:
+        return a
     try:
         a.kind = resolve(a.device)
     except (ValueError, RuntimeError) as e:      # --device gpu without one: a flag that cannot be met
         raise UsageError(str(e)) from None
-    from llmz.args import check_kernels
     check_kernels(a, a.kind)                     # --kernels and --attention against the device
     a.precision = "fp32" if a.kind == "gpu" else "fp64"
     model, B, T = DEFAULTS[a.kind]
@@ -78,21 +67,27 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     a.batch_size = a.batch_size or B
     a.seq_len = a.seq_len or T
     a.steps = a.steps or (sim_steps if a.kind == "sim" else steps)
-    a.grad_accum = getattr(a, "grad_accum", 1)
+    a.print_every = a.print_every or default_print_every(a.steps)
     a.rtol = LOSS_RTOL[a.precision]
     return a
 
 
-def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
-         about_ranks: bool = False, steps_help: str = "optimizer steps") -> int:
+def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int = 2,
+         about_ranks: bool = False, steps_help: str = "optimizer steps", builds_on: str | None = None,
+         uses: tuple[str, ...] = ("--comm", "--kernels", "--attention", "--model", "--print-every")) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
     ends every rank (llmz.launch.abort_on_error). The flags are checked on every rank once the ranks are up
     (llmz.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
-    llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone."""
-    from llmz.launch import abort_on_error, agree, init_ranks
+    llmz.train. uses: the flags the lesson takes beyond --device, --steps and --diff (llmz.args.LESSON_FLAGS;
+    by default those of a lesson that trains and draws nothing). A lesson `about_ranks` (its idea needs
+    N > 1) says so when run alone. builds_on: the lesson whose file --diff compares this one with (None: the
+    first lesson, or an experiment of its own)."""
     ranks = init_ranks()
     with abort_on_error(ranks):
-        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help))
+        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help, uses))
+        if a.diff:
+            say(ranks, lesson_diff(a.lesson, builds_on), end="")
+            return 0
         if about_ranks and ranks.world_size == 1:
             say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without "
                 f"mpiexec): nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
@@ -101,37 +96,40 @@ def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_a
     return code
 
 
-# ---- building runs ----------------------------------------------------------------------------------------
-def train_flags(a, stage: int, batch_size: int | None = None, comm: str | None = None,
-                trace: str | None = None, overlap: bool = True) -> list[str]:
-    """The llmz.train flags of a lesson's run: its device and model, a learning rate that moves in a few
-    steps, weight decay and clipping switched on so every part of the update runs, no validation."""
-    f = ["--device", a.kind, "--precision", a.precision, "--comm", comm or a.comm, "--zero-stage", str(stage),
-         "--kernels", getattr(a, "kernels", "auto"), "--attention", getattr(a, "attention", "auto"),
-         "--model", a.model, "--max-seq-len", str(a.seq_len), "-t", str(a.seq_len),
-         "-b", str(batch_size or a.batch_size), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
-         "--lr", "1e-2", "--warmup-steps", "2", "--lr-schedule", "constant", "--weight-decay", "0.1",
-         "--grad-clip", "1.0", "--val-data", "", "--quiet",
-         # every collective launched from Python each step, so the communicator's counters count them
-         # (a replayed CUDA graph runs the same calls without passing through the counters)
-         "--no-cuda-graph"]
-    if trace:
-        f += ["--trace", trace]
-    if not overlap:
-        f += ["--no-overlap"]
-    return f
+def shown(a, step: int) -> bool:
+    """Does step `step` get its line? The first, the last, and every --print-every steps."""
+    return step in (0, a.steps - 1) or step % a.print_every == 0
 
 
-def make_run(a, ranks, stage: int, **kw):
-    """An llmz.train.Run (device, communicator, data, model, ZeRO stage) for these ranks."""
-    from llmz.train import Run, parse_args
-    args, kind = parse_args(train_flags(a, stage, **kw), kind=a.kind)
-    return Run(args, kind, ranks)
+def lesson_diff(name: str, builds_on: str | None) -> str:
+    """What lesson `name` changed from lesson `builds_on`: the unified diff of their files."""
+    if builds_on is None:
+        return (f"{name} builds on no earlier lesson (it is the first, or an experiment of its own): read "
+                f"lessons/{name}.py whole\n")
+    old, new = (f"lessons/{n}.py" for n in (builds_on, name))
+    before, after = ((LESSONS.parent / f).read_text().splitlines(keepends=True) for f in (old, new))
+    return "".join(difflib.unified_diff(before, after, old, new))
+
+
+# ---- runs -------------------------------------------------------------------------------------------------
+def make_run(a, ranks, stage: int, batch_size: int | None = None, comm: str | None = None,
+             trace: str | None = None, overlap: bool = True):
+    """A run (llmz.trainer.Trainer) of the lesson's device and model at ZeRO `stage` on these ranks: a
+    learning rate that moves in a few steps, weight decay and clipping switched on so every part of the update runs,
+    no validation, and every collective launched from Python each step, so the communicator's counters count
+    them (a replayed CUDA graph runs the same calls without passing through the counters)."""
+    from llmz.trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
+    cfg = TrainConfig(device=a.kind, precision=a.precision, comm=comm or a.comm, kernels=a.kernels,
+                      attention=a.attention, no_cuda_graph=True, zero_stage=stage, no_overlap=not overlap,
+                      model=a.model, max_seq_len=a.seq_len, seq_len=a.seq_len,
+                      batch_size=batch_size or a.batch_size, grad_accum=a.grad_accum, steps=a.steps, lr=1e-2, warmup_steps=2, lr_schedule="constant",
+                      weight_decay=0.1, grad_clip=1.0, val_data="", trace=trace, quiet=True)
+    check_train(cfg, a.kind, ranks.world_size)
+    return Trainer(cfg, a.kind, ranks)
 
 
 def one_rank(ranks):
-    """A world of one on this rank's device: with it a Run talks to nobody (its communicator is local)."""
-    from llmz.launch import RankInfo
+    """A world of one on this rank's device: with it a run talks to nobody (its communicator is local)."""
     return RankInfo(0, 1, ranks.local_rank, 1, getattr(ranks, "hostname", socket.gethostname()))
 
 
@@ -147,6 +145,105 @@ def apply_break(stage) -> None:
         stage.gather_parameters = lambda: None
     if what == "skip_all_reduce":
         stage.reduce_gradients = lambda: None
+
+
+def say_setup(a, ranks, run) -> None:
+    """The lesson's first line: ranks, device, precision, communicator, the model and the batch."""
+    c = run.config
+    say(ranks, f"{n_ranks(ranks.world_size)} on {run.dev.kind} ({a.precision}), comm {run.comm.name}: "
+        f"L={c.num_layers} C={c.channels} B={a.batch_size} T={a.seq_len} K={a.grad_accum}, "
+        f"Ψ = {run.layout.num_parameters:,} parameters")
+
+
+@dataclass
+class Steps:
+    """What side_by_side measured, one entry a step."""
+    losses: list = field(default_factory=list)          # this lesson's run
+    ref_losses: list = field(default_factory=list)      # the run it is compared with (empty where none ran)
+    sent: list = field(default_factory=list)            # bytes this lesson's run sent (llmz.comm's count)
+    ref_sent: list = field(default_factory=list)
+    calls: list = field(default_factory=list)           # the collectives it ran: {name: count}
+    measured: list = field(default_factory=list)        # `measure` over its step
+    events: list = field(default_factory=list)          # the traced step's timeline (rank 0)
+
+
+def side_by_side(a, ranks, run, ref, names: tuple[str, str], serial=None, trace: str | None = None,
+                 measure=None) -> Steps:
+    """Train `run` (this lesson's) beside `ref` (the previous lesson's way, or a one-process reference; None
+    on a rank that does not run it) and `serial` (run's serialised twin, for the same bits) for a.steps
+    steps, a line a step (every --print-every steps: `shown`); names: how the lines call run and ref.
+    measure: (label, fn): fn(run) before and after each step of run, its growth recorded (an int: the
+    difference; a list: what was appended). trace: rank 0 records the timeline of run's second step there."""
+    out = Steps()
+    traced = min(1, a.steps - 1)
+    for step in range(a.steps):
+        if ref:
+            ref.comm.reset_counters()
+            out.ref_losses.append(ref.step(step)["loss"])
+            out.ref_sent.append(ref.comm.bytes_sent)
+        if serial:
+            serial.step(step)
+        recording = trace and step == traced and ranks.rank == 0
+        if recording:
+            run.tracer.start()
+        run.comm.reset_counters()
+        before = measure[1](run) if measure else 0
+        out.losses.append(run.step(step)["loss"])
+        if measure:
+            after = measure[1](run)
+            out.measured.append(after[len(before):] if isinstance(after, list) else after - before)
+        out.sent.append(run.comm.bytes_sent)
+        out.calls.append(run.comm.calls.copy())
+        if recording:
+            out.events = run.tracer.stop(trace)["traceEvents"]
+        if not shown(a, step):
+            continue
+        line = f"step {step}: {names[0]} loss {out.losses[-1]:.10f}"
+        if ref:
+            line += f" | {names[1]} loss {out.ref_losses[-1]:.10f}"
+        if measure:
+            m = out.measured[-1]
+            line += f" | {len(m) if isinstance(m, list) else m} {measure[0]}"
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(out.calls[-1].items()))
+        say(ranks, line + f" | sent {out.sent[-1]:,} B ({calls})")
+    return out
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+def check_same_losses(ck, a, steps: Steps, claim: str, across_ranks: bool = False) -> bool:
+    """Checkpoint: this lesson's losses equal the reference's, step by step, within a.rtol. claim: what is
+    compared ("losses of stage 1 = stage 0's over 5 steps"). Where no reference ran, this rank agrees."""
+    if not steps.ref_losses:
+        return ck.check(True, "", across_ranks=across_ranks)      # rank 0's verdict is the check's
+    d = max_rel_diff(steps.losses, steps.ref_losses)
+    return ck.check(d <= a.rtol, f"{claim}: {steps.losses[-1]:.10f} vs {steps.ref_losses[-1]:.10f} at the "
+                    f"last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})",
+                    across_ranks=across_ranks)
+
+
+def check_sharded(ck, run, ref, category: str, ref_name: str) -> bool:
+    """Checkpoint: this rank's `category` bytes (gradients at stage 2, also parameters at stage 3) are its
+    shard of every bucket, two block slots, and the embeddings and the final layernorm whole, exactly; said
+    beside the reference run's (which keeps them all)."""
+    lay, b = run.layout, run.dev.dtype.itemsize
+    slot = max(bk.padded_size for bk in lay.buckets[1:-1])
+    parts = {"shard": lay.shard_total, "two slots": 2 * slot, "embeddings": lay.embeddings.padded_size,
+             "lnf": lay.lnf.padded_size}
+    full, mine = ref.memory["measured"][category], run.memory["measured"][category]
+    return ck.check(mine == b * sum(parts.values()), f"{category} per rank {fmt_bytes(mine)} = "
+                    + " + ".join(f"{k} {fmt_bytes(b * v)}" for k, v in parts.items())
+                    + f" (expected exactly), vs {ref_name}'s full {fmt_bytes(full)}: {mine / full:.2f}x")
+
+
+def sent_as_predicted(ranks, sent: list, expect: int) -> tuple[int, bool]:
+    """(the most bytes any rank sent in a step, whether that is `expect` within 0.5%; one rank: nothing)."""
+    worst = max(gather(ranks, max(sent)))
+    return worst, (abs(worst - expect) <= 0.005 * expect if ranks.world_size > 1 else worst == 0)
+
+
+def same_bits(ranks, run, other) -> list[bool]:
+    """On every rank: do these two runs hold the same parameter bits?"""
+    return gather(ranks, params_hash(run) == params_hash(other))
 
 
 # ---- across ranks -----------------------------------------------------------------------------------------
@@ -176,9 +273,9 @@ def n_ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n != 1 else "")
 
 
-def say(ranks, *args) -> None:
+def say(ranks, *args, end: str = "\n") -> None:
     if ranks.rank == 0:
-        print(*args, flush=True)
+        print(*args, end=end, flush=True)
 
 
 class Checkpoints:
@@ -206,16 +303,26 @@ class Checkpoints:
         return 1 if self.failed else 0
 
 
+
 # ---- figures ----------------------------------------------------------------------------------------------
-def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
+def one_rank_note(stages) -> str:
+    """The words under the memory chart of a one-rank run (whose ZeRO `stages` are drawn), where the later
+    stages hold more than stage 0, not less."""
+    three = "; stage 3 the same again for the parameters" if 3 in stages else ""
+    return ("1 rank: every shard is the whole buffer, so no stage divides anything. Stage 2 adds two gradient "
+            f"slots and the embedding and lnf gradients beside its whole gradient shard{three}. Run it under "
+            "mpiexec -n 2 to see the bars shrink.")
+
+
+def plot_memory(reports: dict[str, dict], path: str, title: str, note: str | None = None) -> None:
     """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
-    from llmz.trace import save_png
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_png(memory_figure(reports, title), path)
+    save_png(memory_figure(reports, title, note), path)
 
 
-def memory_figure(reports: dict[str, dict], title: str):
-    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack."""
+def memory_figure(reports: dict[str, dict], title: str, note: str | None = None):
+    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack,
+    `note` under the bars. (matplotlib, heavy to import, only for the lessons that draw.)"""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,7 +330,7 @@ def memory_figure(reports: dict[str, dict], title: str):
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
     unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6 if note else 4))
     bottom = np.zeros(len(names))
     for c in cats:
         v = np.array([reports[n]["measured"][c] for n in names]) / scale
@@ -234,9 +341,28 @@ def memory_figure(reports: dict[str, dict], title: str):
     ax.set_ylim(0, 1.1 * bottom.max())
     ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=9)
+    if note:
+        ax.set_xlabel(textwrap.fill(note, 95), fontsize=8, loc="left", labelpad=8)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
+
+
+def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:
+    """Rank 0 draws plot_memory's chart of these runs' memory reports ({label: run}) into path. With one rank
+    it says, on the chart and in a line per stage (llmz.runlog.zero_on_one_rank), why the later stages hold
+    more than stage 0."""
+    if ranks.rank != 0:
+        return
+    note = None
+    if ranks.world_size == 1:
+        note = one_rank_note([run.cfg.zero_stage for run in runs.values()])
+        for run in runs.values():
+            line = zero_on_one_rank(run.layout, run.cfg.zero_stage, run.precision.value_bytes)
+            if line:
+                say(ranks, line)
+    plot_memory({label: run.memory for label, run in runs.items()}, path, title, note)
+    say(ranks, f"wrote {path}")
 
 
 def figure_name(a, ranks, what: str, ext: str = "png", with_k: bool = False) -> str:

@@ -3,7 +3,8 @@ finite and in range, the flags agree with each other and with the files they nam
 written; anything else is refused in one line (`error: ...`, exit status 2) before any work it would waste.
 
 The commands build their parsers with `Parser` (argparse's own errors become that one line too, and every
-flag's help ends with its default) and call `check_train`, `check_sample`, `check_bench` or `check_lesson`.
+flag's help ends with its default) and call `check_train` (on the TrainConfig the flags map onto),
+`check_sample` or `check_bench`; the lessons' flags are parsed and checked here too (`parse_lesson`).
 Under mpiexec every rank checks after the ranks are up (llmz.launch.agree), so a bad flag on any rank ends
 the whole job at once.
 
@@ -19,17 +20,25 @@ import os
 
 import numpy as np
 
+from . import files
+from .checkpoint import model_config, model_header
+from .config import PRESETS, TrainConfig, default_model, preset
+from .data import find_token_files, token_count
+from .device import ATTENTIONS, KERNEL_SETS, KINDS, kernel_paths
 from .errors import LlmzError, UsageError
+from .files import fmt_bytes, prepare_folder, prepare_output
+from .layout import Layout
+from .memory import activation_elements, predicted
+from .precision import PRECISIONS
+from .sample import MAX_TOKENS, window
+from .state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
+from .tokenizer import load_tokenizer as load_any_tokenizer
+from .tokenizer import start_id
 
 # the ZeRO stages whose step --trace records (llmz.trace: each bucket's reduce-scatter against backward);
 # a stage that gets traced joins this tuple
 TRACE_STAGES = (2, 3)
 SEED_LIMIT = 2**32          # seeds are 32-bit: numpy's generators take any, the bf16 rounding hash uses 32 bits
-# the largest value a parameter can hold in each training precision (an update of lr moves it by ~lr)
-DTYPE_MAX = {"fp32": float(np.finfo(np.float32).max), "bf16": float(np.finfo(np.float32).max),
-             "fp64": float(np.finfo(np.float64).max)}
-DTYPE_TINY = {"fp32": float(np.finfo(np.float32).tiny), "bf16": float(np.finfo(np.float32).tiny),
-              "fp64": float(np.finfo(np.float64).tiny)}
 
 
 # ---- parser -------------------------------------------------------------------------------------------------
@@ -90,23 +99,20 @@ def check_seed(args) -> None:
 
 
 def check_preset(args) -> None:
-    from .config import PRESETS
     if args.model is not None and args.model not in PRESETS:
         fail(f"--model {args.model!r}: not a preset; choose one of {', '.join(PRESETS)}")
 
 
 # ---- files the flags name ------------------------------------------------------------------------------------
 def load_tokenizer(name: str):
-    from .tokenizer import load_tokenizer
     try:
-        return load_tokenizer(name)
+        return load_any_tokenizer(name)
     except LlmzError as e:
         fail(f"--tokenizer: {e}")
 
 
 def checkpoint_step(folder: str) -> tuple[int, str]:
     """(step, model file) of a complete checkpoint folder, from its DONE marker; refuses an incomplete one."""
-    from .state import DONE_FILE, MODEL_FILE, STEP_DIR
     if not os.path.isdir(folder):
         fail(f"--resume {folder}: no such checkpoint folder")
     done = os.path.join(folder, DONE_FILE)
@@ -128,7 +134,6 @@ def checkpoint_step(folder: str) -> tuple[int, str]:
 def check_model_flags(args, cfg, source: str) -> None:
     """--model, --vocab-size, --max-seq-len given together with a model from a file (--init-from, --resume)
     must describe that model; refused when they do not (they would be ignored otherwise)."""
-    from .config import preset
     given = [f"{flag(k)} {getattr(args, k)}" for k in ("model", "vocab_size", "max_seq_len")
              if getattr(args, k) is not None]
     if not given:
@@ -146,7 +151,6 @@ def check_model_flags(args, cfg, source: str) -> None:
 
 def batches_in(pattern: str, name: str, B: int, T: int, world_size: int) -> int:
     """Batch positions a --train-data / --val-data glob holds (headers only): at least one, else refused."""
-    from .data import find_token_files, token_count
     try:
         files = find_token_files(pattern)
         total = sum(token_count(p) for p in files)
@@ -165,7 +169,6 @@ def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int) -> N
     """cpu and sim: the bytes a rank will hold (llmz.memory's formula, plus the float64 copy the parameters
     start from and the float32 values of a model file) must fit in the memory available; refused in one line
     otherwise, before allocating."""
-    from .memory import predicted
     c = layout.config
     fits_in_memory(sum(predicted(layout, stage, B, T, value_bytes).values()) + 12 * layout.total,
                    f"this configuration does not fit in memory: L={c.num_layers} C={c.channels} V={c.vocab_size} "
@@ -173,8 +176,7 @@ def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int) -> N
 
 
 def fits_in_memory(need_bytes: int, what: str, advice: str = "") -> None:
-    from .files import available_memory, fmt_bytes
-    free = available_memory()
+    free = files.available_memory()
     if free is not None and need_bytes > free:
         fail(f"{what} needs about {fmt_bytes(need_bytes)} of memory, {fmt_bytes(free)} is available{advice}")
 
@@ -182,7 +184,6 @@ def fits_in_memory(need_bytes: int, what: str, advice: str = "") -> None:
 def check_outputs(outputs: dict[str, str | None], folders: dict[str, str | None]) -> None:
     """Output files and folders: distinct, creatable (parent folders are made now), not a folder/file
     where the other is needed."""
-    from .files import prepare_folder, prepare_output
     named = {f: os.path.abspath(p) for f, p in outputs.items() if p}
     seen: dict[str, str] = {}
     for f, p in named.items():
@@ -198,114 +199,126 @@ def check_outputs(outputs: dict[str, str | None], folders: dict[str, str | None]
 
 
 # ---- python -m llmz.train ------------------------------------------------------------------------------------
-def check_train(args, kind: str, world_size: int = 1) -> None:
-    """Every flag of llmz.train, after the device defaults are filled in (llmz.train.defaults_for).
-    world_size: ranks in the job (batches per file are counted for it). Any refusal is a UsageError."""
+def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
+    """Every setting of a training run (the flags of llmz.train, once TrainConfig.for_device has filled in the
+    device's defaults), in the order a user would fix them: numbers, the device, the model, the data, the
+    memory, the checkpoint folder, the outputs. world_size: ranks in the job (batches per file are counted for
+    it). Any refusal is a UsageError."""
     try:
-        _check_train(args, kind, world_size)
+        check_train_numbers(cfg)
+        check_train_device(cfg, kind)
+        start, resume, model = check_train_model(cfg, kind)
+        batches_in(cfg.train_data, "train_data", cfg.batch_size, cfg.seq_len, world_size)
+        if cfg.val_data:
+            batches_in(cfg.val_data, "val_data", cfg.batch_size, cfg.seq_len, world_size)
+        if kind != "gpu":                   # the GPU's: llmz.guards.check_fits (llmz.guards.check_fits)
+            check_host_memory(Layout(model, world_size), cfg.zero_stage, cfg.batch_size, cfg.seq_len,
+                              PRECISIONS[cfg.precision].value_bytes)
+        check_checkpoint_dir(cfg, start, resume)
+        # outputs last: their folders are created once everything else is known to be good
+        check_outputs({"--save": cfg.save, "--log": cfg.log, "--trace": cfg.trace},
+                      {"--checkpoint-dir": cfg.checkpoint_dir})
     except UsageError:
         raise
     except LlmzError as e:
         raise UsageError(str(e)) from None
 
 
-def _check_train(args, kind: str, world_size: int) -> None:
-    from .config import preset
-    # numbers
-    positive(args, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
-             "max_loss")
-    from .sample import MAX_TOKENS
-    non_negative(args, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every", "keep",
-                 "lr", "weight_decay", "grad_clip")
-    need(args, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
-    positive(args, "collective_timeout")
-    need(args, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
-    need(args, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
-    check_seed(args)
-    check_preset(args)
-    tiny = DTYPE_TINY[args.precision]
-    need(args, ["eps"], lambda v: v >= tiny, f"at least {tiny:.3g}, the smallest normal {args.precision} number "
-         f"(AdamW divides by sqrt(v) + eps, and v is 0 where a parameter never had a gradient)")
-    if args.lr >= DTYPE_MAX[args.precision]:
-        fail(f"--lr {args.lr}: beyond the largest {args.precision} value ({DTYPE_MAX[args.precision]:.3g}); every "
-             f"update would overflow the parameters")
-    # device
-    if args.precision == "fp64" and kind == "gpu":
+def check_train_numbers(cfg: TrainConfig) -> None:
+    """Every number finite and in its range; eps and lr within what the precision can hold."""
+    positive(cfg, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
+             "max_loss", "print_every")
+    non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
+                 "keep", "lr", "weight_decay", "grad_clip")
+    need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
+    positive(cfg, "collective_timeout")
+    need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
+    need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
+    check_seed(cfg)
+    check_preset(cfg)
+    # the parameters move in the optimizer's dtype (bf16: the fp32 master)
+    finfo = np.finfo(PRECISIONS[cfg.precision].optimizer)
+    tiny, largest = float(finfo.tiny), float(finfo.max)
+    need(cfg, ["eps"], lambda v: v >= tiny, f"at least {tiny:.3g}, the smallest normal {cfg.precision} "
+         f"number (AdamW divides by sqrt(v) + eps, and v is 0 where a parameter never had a gradient)")
+    if cfg.lr >= largest:
+        fail(f"--lr {cfg.lr}: beyond the largest {cfg.precision} value ({largest:.3g}); every update would "
+             f"overflow the parameters")
+
+
+def check_train_device(cfg: TrainConfig, kind: str) -> None:
+    """The precision, the kernel set and --trace against the device and the ZeRO stage."""
+    if cfg.precision == "fp64" and kind == "gpu":
         fail("--precision fp64 runs on --device cpu or sim only")
-    check_kernels(args, kind)
-    if args.trace and args.zero_stage not in TRACE_STAGES:
+    check_kernels(cfg, kind)
+    if cfg.trace and cfg.zero_stage not in TRACE_STAGES:
         fail(f"--trace records how ZeRO stages {' and '.join(map(str, TRACE_STAGES))} overlap their collectives "
-             f"with compute; at --zero-stage {args.zero_stage} there is nothing to trace; use --zero-stage "
+             f"with compute; at --zero-stage {cfg.zero_stage} there is nothing to trace; use --zero-stage "
              f"{TRACE_STAGES[0]}")
-    # checkpoints: where to write them, where to resume from
-    if (args.checkpoint_every or args.keep) and not args.checkpoint_dir:
+    if (cfg.checkpoint_every or cfg.keep) and not cfg.checkpoint_dir:
         fail("--checkpoint-every and --keep need --checkpoint-dir")
-    if args.resume == "latest" and not args.checkpoint_dir:
+    if cfg.resume == "latest" and not cfg.checkpoint_dir:
         fail("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
-    resume = args.resume
+
+
+def check_train_model(cfg: TrainConfig, kind: str):
+    """The model the run starts from (a checkpoint to resume, an llm.c file, or a preset) against the model
+    flags, the tokenizer and -t. Returns (the step it starts at, the checkpoint folder or None, the model's
+    config)."""
+    resume = cfg.resume
     if resume == "latest":
-        from .state import latest_checkpoint
         try:
-            resume = latest_checkpoint(args.checkpoint_dir)
+            resume = latest_checkpoint(cfg.checkpoint_dir)
         except LlmzError as e:
             fail(f"--checkpoint-dir: {e}")
-    if resume and args.init_from and args.resume != "latest":
-        fail(f"--init-from {args.init_from} and --resume {resume} both give the starting parameters; choose one")
-    # the model: from a checkpoint, an llm.c file, or a preset
-    from .checkpoint import model_config
+    if resume and cfg.init_from and cfg.resume != "latest":
+        fail(f"--init-from {cfg.init_from} and --resume {resume} both give the starting parameters; choose "
+             f"one")
     start = 0
     try:
         if resume:
             start, model_file = checkpoint_step(resume)
-            cfg = model_config(model_file)
-            check_model_flags(args, cfg, f"checkpoint {resume}")
-        elif args.init_from:
-            cfg = model_config(args.init_from)
-            check_model_flags(args, cfg, f"--init-from {args.init_from}")
+            model = model_config(model_file)
+            check_model_flags(cfg, model, f"checkpoint {resume}")
+        elif cfg.init_from:
+            model = model_config(cfg.init_from)
+            check_model_flags(cfg, model, f"--init-from {cfg.init_from}")
     except UsageError:
         raise
     except LlmzError as e:
         fail(f"{'--resume' if resume else '--init-from'}: {e}")
-    tok = load_tokenizer(args.tokenizer)
-    if not resume and not args.init_from:
-        if args.vocab_size is not None and args.vocab_size < tok.vocab_size:
-            fail(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens")
-        cfg = preset(args.model or ("d6" if kind == "gpu" else "small"),
-                     vocab_size=args.vocab_size or tok.vocab_size, max_seq_len=args.max_seq_len or 1024)
-    if cfg.vocab_size < tok.vocab_size:
-        fail(f"the tokenizer ({args.tokenizer}) has {tok.vocab_size} tokens, the model only {cfg.vocab_size}")
-    if args.seq_len > cfg.max_seq_len:
-        fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
-    # data: enough tokens for one batch on every rank
-    batches_in(args.train_data, "train_data", args.batch_size, args.seq_len, world_size)
-    if args.val_data:
-        batches_in(args.val_data, "val_data", args.batch_size, args.seq_len, world_size)
-    # memory (the GPU's is checked against the card, llmz.train.check_fits)
-    if kind != "gpu":
-        from .layout import Layout
-        check_host_memory(Layout(cfg, world_size), args.zero_stage, args.batch_size, args.seq_len,
-                          {"fp32": 4, "fp64": 8, "bf16": 2}[args.precision])
-    # a checkpoint folder that already holds later checkpoints of another run
-    if args.checkpoint_dir:
-        from .state import checkpoints
-        try:
-            later = [s for s, _, done in checkpoints(args.checkpoint_dir) if done and s > start]
-        except LlmzError as e:
-            fail(f"--checkpoint-dir: {e}")
-        if later:
-            what = f"resuming from step {start}" if resume else "starting afresh"
-            fail(f"--checkpoint-dir {args.checkpoint_dir} holds complete checkpoints past step {start} (up to "
-                 f"step {max(later)}) of another run; {what}, this run's checkpoints would mix with them (and "
-                 f"--resume latest would pick theirs): choose another --checkpoint-dir, or --resume latest "
-                 f"to continue that run")
-    # outputs last: their folders are created once everything else is known to be good
-    check_outputs({"--save": args.save, "--log": args.log, "--trace": args.trace},
-                  {"--checkpoint-dir": args.checkpoint_dir})
+    tok = load_tokenizer(cfg.tokenizer)
+    if not resume and not cfg.init_from:
+        if cfg.vocab_size is not None and cfg.vocab_size < tok.vocab_size:
+            fail(f"--vocab-size {cfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens")
+        model = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size, tokens=tok.vocab_size,
+                       max_seq_len=cfg.max_seq_len or 1024)
+    if model.vocab_size < tok.vocab_size:
+        fail(f"the tokenizer ({cfg.tokenizer}) has {tok.vocab_size} tokens, the model only "
+             f"{model.vocab_size}")
+    if cfg.seq_len > model.max_seq_len:
+        fail(f"--seq-len {cfg.seq_len} > max_seq_len {model.max_seq_len} of the model")
+    return start, resume, model
+
+
+def check_checkpoint_dir(cfg: TrainConfig, start: int, resume: str | None) -> None:
+    """A checkpoint folder that already holds later checkpoints of another run is refused."""
+    if not cfg.checkpoint_dir:
+        return
+    try:
+        later = [s for s, _, done in checkpoints(cfg.checkpoint_dir) if done and s > start]
+    except LlmzError as e:
+        fail(f"--checkpoint-dir: {e}")
+    if later:
+        what = f"resuming from step {start}" if resume else "starting afresh"
+        fail(f"--checkpoint-dir {cfg.checkpoint_dir} holds complete checkpoints past step {start} (up to "
+             f"step {max(later)}) of another run; {what}, this run's checkpoints would mix with them (and "
+             f"--resume latest would pick theirs): choose another --checkpoint-dir, or --resume latest "
+             f"to continue that run")
 
 
 def check_kernels(args, kind: str) -> None:
     """--kernels, --matmul and --attention against each other and the device (llmz.device.kernel_paths)."""
-    from .device import kernel_paths
     try:
         kernel_paths(kind, getattr(args, "kernels", "auto"), getattr(args, "matmul", "auto"),
                      getattr(args, "attention", "auto"), getattr(args, "precision", "fp32"))
@@ -326,8 +339,6 @@ def check_sample(args, kind: str = "cpu"):
 
 
 def _check_sample(args, kind: str):
-    from .checkpoint import model_config, model_header
-    from .sample import MAX_TOKENS, window
     positive(args, "seq_len")
     non_negative(args, "tokens", "temperature")
     need(args, ["tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
@@ -340,7 +351,6 @@ def _check_sample(args, kind: str):
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         fail(f"--seq-len {args.seq_len} > max_seq_len {cfg.max_seq_len} of the model")
     # memory: the file's values, their copy in llmz's layout, the device's copy (cpu, sim), activations of B=1
-    from .memory import activation_elements
     T = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])[0]
     fits_in_memory((8 if kind == "gpu" else 12) * cfg.num_parameters() + 8 * sum(activation_elements(cfg, 1, T)),
                    f"--init-from {args.init_from}: sampling from this model (L={cfg.num_layers} C={cfg.channels} "
@@ -356,7 +366,6 @@ def _check_sample(args, kind: str):
             fail(f"--prompt encodes to token {max(ids)}, beyond the model's vocabulary of {cfg.vocab_size} "
                  f"(another tokenizer than the model's?)")
     else:
-        from .tokenizer import start_id
         first = start_id(tok)
         if first >= cfg.vocab_size:
             fail(f"--tokenizer {args.tokenizer}: a sample without --prompt starts from its token {first} "
@@ -365,13 +374,67 @@ def _check_sample(args, kind: str):
     return cfg, tok, ids
 
 
-# ---- python -m llmz.bench and the lessons ---------------------------------------------------------------------
+# ---- python -m llmz.bench ------------------------------------------------------------------------------
 def check_bench(args) -> None:
     positive(args, "batch_size", "seq_len", "steps", "vocab_size")
     non_negative(args, "warmup")
     check_preset(args)
 
 
-def check_lesson(args) -> None:
-    positive(args, "steps", "batch_size", "seq_len", "grad_accum")
+# ---- the lessons: python -m lessons.NN_name ------------------------------------------------------------
+# the flags a lesson may take beyond --device, --steps and --diff, which every lesson takes; each lesson names
+# those it uses (lessons.common.main), so its --help lists nothing it ignores
+LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every")
+# the settings of a flag a lesson does not take (the library's defaults: what the lesson runs with)
+LESSON_DEFAULTS = {"comm": "auto", "kernels": "auto", "attention": "auto", "model": None, "batch_size": None,
+                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None}
+
+
+def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_accum: int = 2,
+                 steps_help: str = "optimizer steps", uses: tuple[str, ...] = LESSON_FLAGS) -> argparse.Namespace:
+    """A lesson's flags, checked (one line for a bad one, as for every command): the device, its own --steps,
+    --diff, and those of LESSON_FLAGS it `uses` (--model brings -b and -t; --grad-accum defaults to
+    `grad_accum`). Defaults the lesson fills in for the device are None here. The device is not resolved
+    yet: the lesson does that (lessons.common)."""
+    unknown = set(uses) - set(LESSON_FLAGS)
+    assert not unknown, f"lesson flags {unknown} are not among {LESSON_FLAGS}"
+    p = Parser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
+               epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
+               "each checkpoint measures.")
+    p.set_defaults(**LESSON_DEFAULTS)
+    a = p.add_argument
+    a("--device", choices=KINDS, default="auto",
+      help="gpu, cpu (NumPy, fp64), sim (the kernels in Numba's CUDA simulator), or auto: gpu where CuPy sees "
+      "one, else cpu")
+    if "--comm" in uses:
+        a("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+          help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
+    if "--kernels" in uses:
+        a("--kernels", choices=KERNEL_SETS, default="auto",
+          help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, llmz/kernels/, elsewhere)")
+    if "--attention" in uses:
+        a("--attention", choices=ATTENTIONS, default="auto",
+          help="as in llmz.train (default auto: on a GPU flash in bf16, gemm in fp32; direct elsewhere; "
+          "flash: FlashAttention-2)")
+    a("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
+    if "--model" in uses:
+        a("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
+        a("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")
+        a("--seq-len", "-t", type=int, default=None,
+          help="T, also the model's max_seq_len (default 32; 4 on sim)")
+    if "--grad-accum" in uses:
+        a("--grad-accum", type=int, default=grad_accum, help=f"K micro-steps per step (default {grad_accum})")
+    if "--print-every" in uses:
+        a("--print-every", type=int, default=None, metavar="N",
+          help="a line every N steps, and at the first and the last; 1 = every step (default: as in "
+          "llmz.train, about 25 lines: every step up to 35 steps)")
+    if "--out" in uses:
+        a("--out", default="lessons_out",
+          help="where figures go, named by model, ranks and K (default lessons_out)")
+    a("--diff", action="store_true",
+      help="print what this lesson changed from the one it builds on (a unified diff) and exit")
+    args = p.parse_args(argv)
+    args.lesson = name
+    positive(args, "steps", "batch_size", "seq_len", "grad_accum", "print_every")
     check_preset(args)
+    return args

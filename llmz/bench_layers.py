@@ -396,7 +396,6 @@ def run_passes(version: str, dev, k, d: dict, case: Case, refs: dict, reps: int)
 
 def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32: bool, seed: int = 0) -> list:
     """The rows of one layer: (version, pass, kernels, error, us per call, rate text) for teaching and fast."""
-    from . import fast, kernels
     from .device import Device
     case = make_case(layer, cfg, B, T, np.random.default_rng(seed))
     rows, refs = [], None
@@ -418,21 +417,21 @@ def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32
         if layer == "encoder" and dev.fast:
             from .fast.encoder import wte_buckets_upload
             d["buckets"] = wte_buckets_upload(dev, case.ints["inp"])
-        rows += run_passes(version, dev, fast if dev.fast else kernels, d, case, refs, reps)
+        rows += run_passes(version, dev, dev.ops, d, case, refs, reps)
     return rows
 
 
 def main(args, kind: str) -> int:
     """The --layer mode of python -m llmz.bench: print each layer's rows."""
     from .config import preset
-    from .train import PRECISIONS
+    from .precision import PRECISIONS
     layers = LAYERS if args.layer == "all" else tuple(args.layer.split(","))
     for layer in layers:
         if layer not in LAYERS:
             raise SystemExit(f"error: unknown --layer {layer!r}; choose from {', '.join(LAYERS)} or all")
     B, T = args.batch_size or 4, args.seq_len
     cfg = preset(args.model, vocab_size=args.vocab_size, max_seq_len=T)
-    dtype = PRECISIONS[args.precision]
+    dtype = PRECISIONS[args.precision].storage
     for layer in layers:
         print(f"layer {layer}: {args.model} (C={cfg.channels}, NH={cfg.num_heads}, Vp={cfg.padded_vocab_size}), "
               f"B={B} T={T}, {args.precision}, device {kind}, {args.reps} timed calls")

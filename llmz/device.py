@@ -1,4 +1,4 @@
-"""The three ways to execute the same model, and which kernels run there.
+"""The three ways to execute the same model, and which op set runs there.
 
   gpu  CuPy owns the memory; every layer is a Numba @cuda.jit kernel launched on a CuPy stream
        (numba.cuda.external_stream), so CuPy (cuBLAS, NCCL) and Numba share one ordered stream.
@@ -6,16 +6,19 @@
   sim  the same Numba kernels as `gpu`, run by Numba's CUDA simulator on NumPy arrays
        (NUMBA_ENABLE_CUDASIM=1, which must be set before numba is first imported).
 
-Two kernel sets (--kernels): `teaching` (llmz/kernels/: the simplest correct kernel per layer, beside its
-NumPy reference) and `fast` (llmz/fast/: the kernels that won, each tested against its teaching twin). The
-default is fast on a GPU and teaching elsewhere; on cpu the teaching set means the NumPy references. The
-fast set also runs in the simulator (its warp shuffles emulated there), with the tiled product in place of
-cuBLAS. --matmul and --attention refine it: the products by cuBLAS (fast, GPU) or the tiled teaching
-kernel; attention as flash attention (never storing the T x T scores; on a GPU in bf16 the fast set's
-tensor-core kernels, the default there), cuBLAS batched products around a softmax kernel (fast, GPU: the
-fp32 default) or the direct teaching kernels. The layer code never asks which device it runs on: it calls
-`dev.launch(kernel, grid, block, *args)` or, when `dev.kernels` is False, the NumPy reference. Streams and events exist on all three; on
-cpu and sim they are no-ops because everything already runs in program order.
+Three op sets offer the same layer functions under the same names and arguments, the Device first:
+`llmz.reference` (the NumPy references, written beside their kernels in llmz/kernels/), `llmz.kernels` (the
+teaching set: the simplest correct kernel per layer) and `llmz.fast` (the kernels that won, each tested
+against its teaching twin). `op_set` below is the one place that picks one: cpu runs the references, gpu and
+sim the set --kernels names (fast on a GPU by default, teaching elsewhere; the fast set also runs in the
+simulator, its warp shuffles emulated there, with the tiled product in place of cuBLAS). The model and the
+ZeRO stages call `dev.ops.layernorm_forward(dev, ...)` and never ask which device they run on. --matmul and
+--attention refine the kernel sets: the products by cuBLAS (fast, GPU) or the tiled teaching kernel;
+attention as flash attention (never storing the T x T scores; on a GPU in bf16 the fast set's tensor-core
+kernels, the default there), cuBLAS batched products around a softmax kernel (fast, GPU: the fp32 default)
+or the direct teaching kernels. The precision (llmz.precision) is resolved once too: `dev.precision` says
+the dtype of every kind of array. Streams and events exist on all three devices; on cpu and sim they are
+no-ops because everything already runs in program order.
 """
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ import contextlib
 import os
 import sys
 import threading
+import traceback
 
 import numpy as np
+
+from .precision import Precision, as_precision
 
 KINDS = ("auto", "gpu", "cpu", "sim")
 KERNEL_SETS = ("auto", "teaching", "fast")
@@ -84,8 +90,9 @@ def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
         raise ValueError("--attention gemm reads each head in place with cuBLAS: it needs --kernels fast and "
                          "--matmul cublas on a GPU (use --attention direct)")
     if attention == "auto":
-        # on a GPU: bf16 attention on tensor cores (llmz.fast.flash_attention, the faster path: BENCHMARKS.md,
-        # issue 17); fp32 keeps cuBLAS's TF32 products around the softmax kernels
+        # on a GPU: bf16 attention on tensor cores (llmz.fast.flash_attention, the faster path: see
+        # BENCHMARKS.md's flash attention tables); fp32 keeps cuBLAS's TF32 products around the softmax
+        # kernels
         if matmul == "cublas":
             attention = "flash" if precision == "bf16" else "gemm"
         else:
@@ -157,9 +164,6 @@ def _thread_safe_simulator_shared() -> None:
     wrong in its first column, 1 run in ~10, more often with a short thread switch interval). Here the same
     lookup, keyed as the simulator keys it (the calling file and line), runs under a lock; dynamic shared
     memory (shape 0) goes to the simulator as before."""
-    import threading
-    import traceback
-
     from numba.cuda import types
     from numba.cuda.np import numpy_support
     from numba.cuda.simulator.kernelapi import FakeCUDAShared
@@ -201,20 +205,36 @@ def _simulator_warp_shuffles() -> None:
     FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
 
 
-class Device:
-    """Where arrays live and how kernels launch. `dtype` is the compute dtype of parameters/activations."""
+def op_set(kind: str, kernel_set: str):
+    """The layer functions a Device runs: the one place that chooses them. cpu: llmz.reference, the NumPy
+    references; gpu and sim: llmz.kernels (teaching) or llmz.fast, as kernel_paths resolved --kernels.
+    Imported here, when a Device is made: the kernels import numba, which must come after resolve()."""
+    if kind == "cpu":
+        from . import reference as ops
+    elif kernel_set == "fast":
+        from . import fast as ops
+    else:
+        from . import kernels as ops
+    return ops
 
-    def __init__(self, kind: str = "cpu", dtype=np.float32, gpu_index: int = 0, matmul: str = "auto",
-                 attention: str = "auto", tf32: bool = True, kernel_set: str = "auto"):
+
+class Device:
+    """Where arrays live, how kernels launch, and which op set runs (`ops`). `precision` (a Precision, its
+    name, or the storage dtype: np.float32, np.float64, np.uint16 for bf16) gives `dtype`, the dtype of
+    parameters, gradients and activations."""
+
+    def __init__(self, kind: str = "cpu", precision: Precision | str | np.dtype = np.float32,
+                 gpu_index: int = 0, matmul: str = "auto", attention: str = "auto", tf32: bool = True,
+                 kernel_set: str = "auto"):
         self.kind = resolve(kind)
-        self.dtype = np.dtype(dtype)
-        self.kernels = self.kind in ("gpu", "sim")       # False: run the NumPy references
+        self.precision = as_precision(precision)
+        self.dtype = self.precision.storage
         # which kernels run (--kernels: llmz.kernels, the teaching set, or llmz.fast), how products are
         # computed (cuBLAS or the tiled kernel) and attention (gemm, direct or flash): kernel_paths
-        precision = "bf16" if self.dtype == np.uint16 else "fp64" if self.dtype == np.float64 else "fp32"
         self.kernel_set, self.matmul, self.attention = kernel_paths(self.kind, kernel_set, matmul, attention,
-                                                                    precision)
+                                                                    self.precision.name)
         self.fast = self.kernel_set == "fast"
+        self.ops = op_set(self.kind, self.kernel_set)
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None
         self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
@@ -356,5 +376,11 @@ class Device:
         self.compute_stream.synchronize()
         self.comm_stream.synchronize()
 
+    def describe(self) -> str:
+        """What runs the layers, for a run's first line: 'fast kernels (matmul cublas, attention flash)'."""
+        if self.kind == "cpu":
+            return "the NumPy references"
+        return f"{self.kernel_set} kernels (matmul {self.matmul}, attention {self.attention})"
+
     def __repr__(self) -> str:
-        return f"Device({self.kind}, {self.dtype}, {self.kernel_set} kernels)"
+        return f"Device({self.kind}, {self.precision.name}, {self.describe()})"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import io
 import os
 import signal
@@ -57,11 +56,6 @@ class RankInfo:
     @property
     def gpu_index(self) -> int:
         return self.local_rank
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 prints, writes checkpoints and logs."""
-        return self.rank == 0
 
 
 def _launcher_world_size() -> int:
@@ -325,12 +319,3 @@ def abort_on_error(ranks: RankInfo | None = None):
         if isinstance(e, MemoryError):
             msg += " (out of host memory)"
         _die(rank, size, f"error: {msg}", getattr(e, "exit_code", 1) if isinstance(e, LlmzError) else 1)
-
-
-def fail_fast(fn):
-    """Decorator form of abort_on_error for a `main()`."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with abort_on_error():
-            return fn(*args, **kwargs)
-    return wrapper

@@ -129,13 +129,6 @@ class Layout:
         """How many leading elements of the stretch [start, end) of bucket b get weight decay."""
         return int(min(max(b.decay_size - start, 0), end - start))
 
-    def decay_mask(self) -> np.ndarray:
-        """Boolean mask over the flat buffer: True where AdamW applies weight decay (tests, reference)."""
-        m = np.zeros(self.total, dtype=bool)
-        for b in self.buckets:
-            m[b.offset:b.offset + b.decay_size] = True
-        return m
-
     # ---- llm.c's order ---------------------------------------------------------------------------
     def llmc_order(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of each tensor in llm.c's file order; per-layer tensors have a leading L axis."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import fast, kernels
 from .config import GPT2Config
 from .layout import Layout
 
@@ -52,11 +51,10 @@ class Activations:
         c = config
         L, C, NH, Vp = c.num_layers, c.channels, c.num_heads, c.padded_vocab_size
         z = dev.zeros
-        # layernorm statistics and the losses: fp32 when the values are bf16 (uint16 bits), else the values' dtype
-        stat = np.float32 if dev.dtype == np.uint16 else dev.dtype
 
         def zs(shape):
-            return dev.zeros(shape, stat)
+            """layernorm statistics and the losses: fp32 when the values are bf16, else the values' dtype"""
+            return dev.zeros(shape, dev.precision.stats)
         self.encoded = z((B, T, C))             # wte[token] + wpe[t]
         self.ln1 = z((L, B, T, C))
         self.ln1_mean = zs((L, B, T))
@@ -106,9 +104,9 @@ class GPT2:
         self.config, self.dev, self.B, self.T = config, dev, B, T
         self.layout = None
         self.acts = Activations(config, dev, B, T)
-        # the layer functions: the teaching kernels (llmz/kernels/) or the fast ones (llmz/fast/), as --kernels
-        # chose; the same names and arguments in both
-        self.kernels = fast if dev.fast else kernels
+        # the layer functions: the op set the device runs (llmz.device.op_set: the NumPy references, the
+        # teaching kernels or the fast ones); the same names and arguments in all three
+        self.ops = dev.ops
         # the batch's positions sorted by token (llmz.fast.encoder.wte_buckets, built on the host by whoever
         # uploads the batch): the fast wte backward; None: the teaching kernel (which needs none)
         self.wte_buckets = None
@@ -118,7 +116,7 @@ class GPT2:
         inputs, targets: (B, T) int32 on the device.
         Leaves logits in acts.logits and, with targets, per-position losses in acts.losses. No host sync.
         backward recomputes the losses itself, so a training step may call forward without targets."""
-        dev, a, c, k = self.dev, self.acts, self.config, self.kernels
+        dev, a, c, k = self.dev, self.acts, self.config, self.ops
         L = c.num_layers
         emb = p.bucket(0)
         k.encoder_forward(dev, a.encoded, inputs, emb["wte"], emb["wpe"])
@@ -155,7 +153,7 @@ class GPT2:
         loss = dloss * sum of per-position losses (dloss = 1/(B*T*K) for the mean over K micro-steps).
         Needs the activations of forward(p, inputs); overwrites acts.losses (the same values as forward's).
         No host sync."""
-        dev, a, c, k = self.dev, self.acts, self.config, self.kernels
+        dev, a, c, k = self.dev, self.acts, self.config, self.ops
         L, NH = c.num_layers, c.num_heads
         emb, lnf = p.bucket(0), p.bucket(L + 1)
         # classifier (llm.c's fused_classifier): the losses, and dlogits = (softmax - onehot) * dloss written

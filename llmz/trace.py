@@ -30,6 +30,7 @@ class Tracer:
         self.active = False
         self.spans: list[tuple[str, str, object, object]] = []     # (name, stream, start, end)
         self.open: dict[tuple[str, str], object] = {}
+        self.measured: Overlap | None = None     # what the last stop() measured (overlap())
 
     def _mark(self, stream_name: str):
         if self.dev.kind == "gpu":
@@ -68,6 +69,7 @@ class Tracer:
                            "tid": stream, "cat": "comm" if stream == "comm" else
                            "forward" if name.startswith("forward") else "backward"})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        self.measured = overlap(events)         # this rank's, for the run's line (llmz.trainer)
         if self.rank != 0:                      # every rank traces; rank 0's timeline is written
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
@@ -75,7 +77,7 @@ class Tracer:
         where = ("the compute and the comm stream" if self.dev.kind == "gpu" else f"{self.dev.kind}: a collective's "
                  "bar runs from its start until this rank saw it complete, between two layers")
         plot_png(events, png, f"rank {self.rank}: layers and collectives of one step ({where})\n"
-                 f"{legend(events)} | {overlap(events)}", streams=self.dev.kind == "gpu")
+                 f"{legend(events)} | {self.measured}", streams=self.dev.kind == "gpu")
         return trace
 
 

@@ -1,5 +1,5 @@
-"""bf16 training through llmz.train.Run on the CPU references (bf16 values as uint16 bit patterns, computed in
-float32, fp32 master weights): the loss follows fp32's, ZeRO stages agree, the memory report matches the
+"""bf16 training through llmz.trainer.Trainer on the CPU references (bf16 values as uint16 bit patterns,
+computed in float32, fp32 master weights): the loss follows fp32's, ZeRO stages agree, the memory report matches the
 2Ψ + 2Ψ + 12Ψ/N formula, and a resumed run repeats the straight one bit for bit."""
 import json
 import subprocess

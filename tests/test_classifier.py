@@ -164,17 +164,18 @@ def test_classifier_fused_reference_matches_finite_differences(rng):
 def test_classifier_fused_and_loss_layers_match_reference(kdev, rng, dev_kind):
     from llmz.device import Device
     dev = kdev if dev_kind == "kernels" else Device("cpu", np.float32)
+    ops = dev.ops                       # the teaching kernels, or on cpu the references (llmz.reference)
     logits, targets = random_inputs(rng)
     logits = logits.astype(np.float32)
     dloss, t = 1.0 / (B * T), dev.asarray(targets)
     ref_losses, ref_d = fused_ref64(logits, targets, dloss, V)
     # the loss layer: losses only, the logits untouched (on cpu the reference writes probs into its workspace)
     x, losses = dev.asarray(logits), poisoned(dev, (B, T))
-    classifier_loss(dev, losses, x, t, V)
+    ops.classifier_loss(dev, losses, x, t, V)
     np.testing.assert_array_equal(dev.to_host(x), logits)
     loss_only = dev.to_host(losses).copy()
     # the fused layer, in place; the same losses again
-    classifier_fused(dev, losses, x, t, dloss, V)
+    ops.classifier_fused(dev, losses, x, t, dloss, V)
     np.testing.assert_array_equal(dev.to_host(losses), loss_only)
     # float32 exps (float64 in the teaching kernel) and one rounding of (p - onehot) * dloss
     assert rel_err(loss_only, ref_losses) < 1e-6

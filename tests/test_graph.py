@@ -1,5 +1,6 @@
 """CUDA graphs (llmz.graph) at ZeRO stage 2: the captured micro-step, replayed, leaves exactly the gradient shard
-the eager micro-step leaves (issue 18). GPU only: cpu and the simulator have no graphs (Graphs runs fn()
+the eager micro-step leaves (ZeRO-2's graphed step once hung: llmz/graph.py says why). GPU only: cpu and
+the simulator have no graphs (Graphs runs fn()
 eagerly there, which the last test checks)."""
 import os
 
@@ -10,14 +11,15 @@ import pytest
 def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto", stage: int = 2):
     from llmz.data import write_tokens
     from llmz.launch import init_ranks
-    from llmz.train import Run, parse_args
+    from llmz.train import parse_args
+    from llmz.trainer import Trainer
     path = os.path.join(tmp_path, "tokens.bin")
     write_tokens(path, np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.int64))
     model, B, T = ("d2", 4, 64) if device == "gpu" else ("tiny", 2, 8)
     args, kind = parse_args(["--device", device, "--model", model, "-b", str(B), "-t", str(T),
                              "--zero-stage", str(stage), "--precision", precision, "--comm", comm, "--grad-accum", "2",
                              "--train-data", path, "--val-data", "", "--steps", "2", "--quiet"])
-    run = Run(args, kind, init_ranks())
+    run = Trainer(args, kind, init_ranks())
     run.next_batch(run.train_loader, backward=True)
     return run
 

@@ -1,6 +1,9 @@
-"""--kernels teaching|fast end to end: the flags refuse what cannot run in one line, the ZeRO update takes the
-set the device says (the fast set's bits where it claims them), and `python -m llmz.bench --layer` prints the
-teaching and fast rows of a layer (a smoke test at tiny size in the simulator: its times mean nothing)."""
+"""The op sets and --kernels teaching|fast end to end: the three sets (llmz.reference, llmz.kernels,
+llmz.fast) offer the same functions and the Device picks one, the flags refuse what cannot run in one line, the ZeRO
+update takes the set the device says (the fast set's bits where it claims them), and `python -m llmz.bench
+--layer` prints the teaching and fast rows of a layer (a smoke test at tiny size in the simulator: its times
+mean nothing)."""
+import inspect
 import subprocess
 import sys
 
@@ -10,6 +13,7 @@ import pytest
 from llmz.bf16 import f32_to_bf16
 from llmz.comm import LocalCommunicator
 from llmz.config import GPT2Config
+from llmz.device import gpu_available
 from llmz.launch import RankInfo
 from llmz.layout import Layout, init_parameters
 from llmz.optim import AdamW
@@ -31,6 +35,45 @@ def test_train_refuses_a_kernel_set_that_cannot_run_in_one_line(flags, words):
     assert p.returncode != 0
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in p.stderr and words in err[0], p.stderr
+
+
+def shape_of(fn) -> tuple:
+    """What a caller relies on: how many arguments come first, then the names and defaults of the rest."""
+    params = list(inspect.signature(fn).parameters.values())
+    return (sum(p.default is p.empty for p in params),
+            [(p.name, p.default) for p in params if p.default is not p.empty])
+
+
+def test_the_three_op_sets_offer_the_same_functions_with_the_same_arguments():
+    import llmz.fast
+    import llmz.kernels
+    import llmz.reference
+    for name in llmz.kernels.__all__:
+        shapes = {m.__name__: shape_of(getattr(m, name)) for m in (llmz.reference, llmz.kernels, llmz.fast)}
+        assert len({repr(s) for s in shapes.values()}) == 1, (name, shapes)
+        assert next(iter(inspect.signature(getattr(llmz.reference, name)).parameters)) == "dev", name
+
+
+def test_the_precision_is_one_record_of_dtypes():
+    from llmz.precision import PRECISIONS, as_precision
+    f32, f64, u16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16)
+    want = {"fp32": (f32, f32, None, False, 4), "fp64": (f64, f64, None, False, 8), "bf16": (u16, f32, f32, True, 2)}
+    for name, p in PRECISIONS.items():
+        assert (p.storage, p.stats, p.master, p.bf16, p.value_bytes) == want[name]
+        assert as_precision(name) is as_precision(p.storage) is as_precision(p) is p
+    with pytest.raises(ValueError):
+        as_precision(np.int32)
+
+
+@pytest.mark.parametrize("kind, kernel_set, ops", [("cpu", "auto", "llmz.reference"),
+                                                   ("cpu", "teaching", "llmz.reference"),
+                                                   ("sim", "auto", "llmz.kernels"),
+                                                   ("sim", "fast", "llmz.fast")])
+def test_a_device_runs_the_op_set_its_kind_and_kernels_say(kind, kernel_set, ops):
+    from llmz.device import Device
+    if kind == "sim" and gpu_available():
+        pytest.skip("the simulator cannot start beside a GPU in this process")
+    assert Device(kind, np.float32, kernel_set=kernel_set).ops.__name__ == ops
 
 
 def update_once(kernel_set, rng_seed):

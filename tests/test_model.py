@@ -25,7 +25,7 @@ def random_params(layout, rng):
 
 def run(dev, cfg, flat_host, x, y, B, T, buckets=False):
     """Forward and backward once: (loss, logits, gradients, layout) on the host. buckets: the fast wte
-    backward (positions sorted by token on the host, as llmz.train.Run.next_batch does)."""
+    backward (positions sorted by token on the host, as llmz.trainer.Trainer.next_batch does)."""
     layout = Layout(cfg, 1)
     params = dev.asarray(flat_host, dev.dtype)
     grads = dev.zeros(layout.total)

@@ -254,7 +254,7 @@ def in_process_args(tmp_path, *extra):
 
 
 def train_here(args) -> dict:
-    from llmz.train import train
+    from llmz.trainer import train
     return train(args, "cpu", RankInfo(0, 1, 0, 1, "here"))
 
 
@@ -310,13 +310,13 @@ def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_pa
 def test_a_non_finite_loss_stops_with_its_step_and_unmarks_the_checkpoint_that_gave_it(tmp_path, monkeypatch):
     """Step 3's loss comes from the parameters after 3 updates, which checkpoint step_000003 holds: the run
     stops naming step 3, and that checkpoint loses its DONE, so --resume picks step_000002."""
-    from llmz.train import Run
-    real_step = Run.step
+    from llmz.trainer import Trainer
+    real_step = Trainer.step
 
     def step_nan_at_3(self, step):
         out = real_step(self, step)
         return {**out, "loss": float("nan")} if step == 3 else out
-    monkeypatch.setattr(Run, "step", step_nan_at_3)
+    monkeypatch.setattr(Trainer, "step", step_nan_at_3)
     ck = tmp_path / "ck"
     with pytest.raises(LlmzError, match="^step 3: non-finite loss nan") as e:
         train_here(in_process_args(tmp_path, "--steps", "6", "--checkpoint-dir", str(ck),
@@ -363,8 +363,8 @@ def test_resume_refuses_another_model_and_both_resume_and_init_from(tmp_path):
 
 
 def test_a_configuration_that_cannot_fit_is_refused_with_predicted_and_available_bytes():
+    from llmz.guards import GPU_RESERVE_BYTES, check_fits
     from llmz.memory import predicted
-    from llmz.train import GPU_RESERVE_BYTES, check_fits
     pred = predicted(Layout(GPT2Config(), 1), 0, 16, 1024, 4)          # d12, B=16, T=1024, fp32
     need = sum(pred.values())
     check_fits(pred, free=need + GPU_RESERVE_BYTES, total=140 << 30)   # exactly enough: accepted

@@ -226,13 +226,14 @@ def test_nccl_graphed_steps_are_watched_as_launches_and_every_event_completes(tm
     """The watchdog records events outside graph capture only: the graphed step still captures, replays,
     and gives the eager step's loss; every watched operation completes."""
     from llmz.launch import RankInfo
-    from llmz.train import Run, parse_args
+    from llmz.train import parse_args
+    from llmz.trainer import Trainer
     losses = {}
     for graph in (True, False):
         flags = ["--device", "gpu", "--model", "d2", "-b", "4", "-t", "64", "--steps", "4", "--comm", "nccl",
                  "--quiet", "--val-data", ""] + ([] if graph else ["--no-cuda-graph"])
         args, kind = parse_args(flags)
-        run = Run(args, kind, RankInfo(0, 1, 0, 1, "here"))
+        run = Trainer(args, kind, RankInfo(0, 1, 0, 1, "here"))
         losses[graph] = [run.step(s)["loss"] for s in range(4)]
         run.dev.synchronize()
         time.sleep(3 * watchdog.POLL_S)

@@ -114,12 +114,13 @@ def test_bf16_stage3_is_stage2_bit_for_bit(tmp_path):
 # ---- one rank, in this process -----------------------------------------------------------------------------
 def make_run(stage: int, *extra: str, precision: str = "fp64"):
     from llmz.launch import RankInfo
-    from llmz.train import Run, parse_args
+    from llmz.train import parse_args
+    from llmz.trainer import Trainer
     args, kind = parse_args(["--device", "cpu", "--precision", precision, "--model", "tiny", "-b", "2", "-t", "8",
                              "--steps", "3", "--lr", "1e-2", "--warmup-steps", "1", "--weight-decay", "0.1",
                              "--grad-clip", "1.0", "--zero-stage", str(stage), "--grad-accum", str(K),
                              "--val-data", "", "--quiet", *extra], kind="cpu")
-    return Run(args, kind, RankInfo(0, 1, 0, 1, "here"))
+    return Trainer(args, kind, RankInfo(0, 1, 0, 1, "here"))
 
 
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
@@ -309,7 +310,8 @@ def test_bf16_stage3_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
     """The bf16 parameters are rebuilt from the saved fp32 master with the rounding draws of the saved step, then
     sharded: a resumed stage-3 run repeats the straight one bit for bit."""
     from llmz.launch import RankInfo
-    from llmz.train import parse_args, train
+    from llmz.train import parse_args
+    from llmz.trainer import train
 
     def run(name, *extra):
         args, kind = parse_args(["--device", "cpu", "--precision", "bf16", "--model", "tiny", "-b", "2", "-t", "8",

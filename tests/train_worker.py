@@ -1,4 +1,4 @@
-"""Run `steps` training steps through llmz.train.Run and write what the tests compare:
+"""Run `steps` training steps through llmz.trainer.Trainer and write what the tests compare:
 OUT/params_rank{r}.npy (final parameters, full precision), OUT/result_rank{r}.json (losses, grad norms,
 memory report, communication counters). LLMZ_TEST_FAIL=rank=R,step=S raises on rank R at step S. Usage: [mpiexec -n N] python tests/train_worker.py OUT [train flags]"""
 import json
@@ -15,8 +15,8 @@ def main() -> int:
     from llmz.launch import abort_on_error, init_ranks
     ranks = init_ranks()
     with abort_on_error(ranks):
-        from llmz.train import Run
-        run = Run(args, kind, ranks)
+        from llmz.trainer import Trainer
+        run = Trainer(args, kind, ranks)
         losses, norms = [], []
         run.comm.reset_counters()
         rs_in_backward = []

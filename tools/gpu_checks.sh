@@ -19,7 +19,7 @@ if [[ $what == d12 || $what == all ]]; then
   run timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k d12 2>&1 | tee "$OUT/gpu_d12.txt" | tail -30
 fi
 if [[ $what == bench || $what == all ]]; then
-  # issue 8's measurement: d12, B=16, T=1024, the fast path beside PyTorch eager, and kernel by kernel
+  # the speed measurement: d12, B=16, T=1024, the fast path beside PyTorch eager, and kernel by kernel
   run timeout 300 $py -m llmz.bench --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_d12.txt"
 fi
 if [[ $what == fast || $what == all ]]; then
@@ -32,7 +32,7 @@ if [[ $what == fast || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/curve_teaching.jsonl" "$OUT/curve_fast_tf32.jsonl" --tol 1e-2
 fi
 if [[ $what == kernels || $what == all ]]; then
-  # issue 16: d12 trains end to end on the teaching kernels, and its losses follow the fast kernels' (TF32 off:
+  # the teaching kernels on a GPU: d12 trains end to end on them, and its losses follow the fast kernels' (TF32 off:
   # fp32 tolerance); then the same in bf16
   F="--device gpu --model d12 -b 4 -t 1024 --steps 10 --val-every 0 --val-batches 1 --sample-tokens 0"
   run timeout 300 $py -m llmz.train $F --kernels teaching --log "$OUT/kernels_teaching.jsonl" 2>&1 | tail -3
@@ -45,7 +45,7 @@ if [[ $what == kernels || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/kernels_teaching_bf16.jsonl" "$OUT/kernels_fast_bf16.jsonl" --tol 1e-2
 fi
 if [[ $what == layers || $what == all ]]; then
-  # issue 16: each layer's teaching and fast versions at d12 sizes (B=4, T=1024), fp32 and bf16
+  # each layer's teaching and fast versions at d12 sizes (B=4, T=1024), fp32 and bf16
   run timeout 600 $py -m llmz.bench --layer all 2>&1 | grep -v Warn | tee "$OUT/layers_fp32.txt"
   run timeout 600 $py -m llmz.bench --layer all --precision bf16 2>&1 | grep -v Warn | tee "$OUT/layers_bf16.txt"
 fi
@@ -54,8 +54,8 @@ if [[ $what == compile ]]; then
   run $py tools/compile_check.py 2>&1 | tee "$OUT/compile_check.txt" | tail -3
 fi
 if [[ $what == bf16 || $what == all ]]; then
-  # issue 7: every kernel test (bf16 ones included), 50 steps of d12 in bf16 against fp32 (1% per step),
-  # the stages in bf16 against each other, and issue 8's bf16 bench beside PyTorch autocast
+  # bf16 training: every kernel test (bf16 ones included), 50 steps of d12 in bf16 against fp32 (1% per step),
+  # the stages in bf16 against each other, and the bf16 bench beside PyTorch autocast
   run timeout 300 $py -m pytest -q -s -p no:cacheprovider tests -k "bf16" -m gpu 2>&1 | tee "$OUT/gpu_bf16_tests.txt" | grep -E "worst|passed|failed"
   F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet"
   run timeout 100 $py -m llmz.train $F --precision fp32 --log "$OUT/curve_fp32.jsonl" 2>&1 | tail -1
@@ -73,7 +73,7 @@ if [[ $what == bf16 || $what == all ]]; then
   run timeout 300 $py -m llmz.bench --precision bf16 --per-kernel --vs-torch 2>&1 | grep -v Warn | tee "$OUT/bench_bf16.txt"
 fi
 if [[ $what == flash || $what == all ]]; then
-  # issue 17: the tensor-core flash kernels (correctness, bits, speed), a 50-step bf16 d12 curve against the
+  # the tensor-core flash kernels (correctness, bits, speed), a 50-step bf16 d12 curve against the
   # gemm path (1% per step), and the bf16 bench with flash beside PyTorch eager
   run timeout 500 $py tools/flash_check.py 2>&1 | tee "$OUT/flash_check.txt" | tail -40
   F="--device gpu --model d12 -b 4 -t 1024 --steps 50 --val-every 0 --val-batches 1 --sample-tokens 0 --lr 3e-4 --warmup-steps 10 --quiet --precision bf16"
@@ -97,7 +97,7 @@ if [[ $what == stages || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/single.jsonl" "$OUT"/nccl1_s?.jsonl "$OUT"/mpi2_s?.jsonl --tol 1e-5
 fi
 if [[ $what == graphs || $what == all ]]; then
-  # issue 18: ZeRO-2 graphed. The probe (each old variant of the stage-2 code beside the fixed one), the
+  # ZeRO-2 graphed (its captured step once hung: tools/graph_probe.py). The probe (each old variant of the stage-2 code beside the fixed one), the
   # graphed-vs-eager shard test, stage 2 graphed over NCCL against the single process (fp32, full products),
   # bf16 stage 2 with K=2 against fp32 (1% a step), resume from a graphed stage-2 run (same bits)
   run timeout 240 $py tools/graph_probe.py --all --timeout 30 2>&1 | tail -8
@@ -129,14 +129,16 @@ if [[ $what == resume || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/straight.jsonl" "$OUT/resumed.jsonl" --tol 0
   rm -rf "$OUT"/ck_straight "$OUT"/ck_resumed
 fi
+# --out for the lessons that draw figures (03, 05): the others take no such flag
+figures() { [[ $1 == 0[35]_* ]] && echo "--out $2"; }
 if [[ $what == lessons || $what == all ]]; then
   for l in 00_one_device 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding 04_stochastic_rounding; do
-    [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu --out "$OUT/lessons1" 2>&1 | grep -E "CHECKPOINT|rror"
-    [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi --out "$OUT/lessons2" 2>&1 | grep -E "CHECKPOINT|rror"
+    [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu $(figures $l "$OUT/lessons1") 2>&1 | grep -E "CHECKPOINT|rror"
+    [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi $(figures $l "$OUT/lessons2") 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi
 if [[ $what == multi ]]; then
-  # issue 10: one rank per GPU with NCCL; N from the visible GPU count. The single-GPU reference runs the
+  # several GPUs: one rank per GPU with NCCL; N from the visible GPU count. The single-GPU reference runs the
   # union batch (B*N per step) so its token stream equals the N ranks' together.
   N=$(nvidia-smi -L | wc -l); B=${B:-8}; STEPS=${STEPS:-20}
   F="--device gpu --model d12 -t 1024 --steps $STEPS --val-every 0 --val-batches 1 --sample-tokens 0 --quiet"
@@ -147,6 +149,6 @@ if [[ $what == multi ]]; then
   run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --trace "$OUT/multi_trace.json" --log "$OUT/multi_overlap.jsonl" 2>&1 | tail -1
   run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --no-overlap --log "$OUT/multi_serial.jsonl" 2>&1 | tail -1
   for l in 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding; do
-    run timeout 150 $MPIEXEC -n $N $py -m lessons.$l --device gpu --comm nccl --out "$OUT/lessons_multi" 2>&1 | grep -E "CHECKPOINT|rror"
+    run timeout 150 $MPIEXEC -n $N $py -m lessons.$l --device gpu --comm nccl $(figures $l "$OUT/lessons_multi") 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi

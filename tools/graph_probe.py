@@ -56,9 +56,10 @@ def patch(variant: str) -> None:
 
 def losses(flags: list[str], steps: int) -> tuple[list[float], str]:
     from llmz.launch import init_ranks
-    from llmz.train import Run, parse_args
+    from llmz.train import parse_args
+    from llmz.trainer import Trainer
     args, kind = parse_args(flags)
-    run = Run(args, kind, init_ranks())
+    run = Trainer(args, kind, init_ranks())
     out = []
     for i in range(steps):
         out.append(run.step(i)["loss"])

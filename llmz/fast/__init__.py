@@ -4,9 +4,9 @@ teaching kernel it replaces, what it changes and the contract it keeps (the same
 tolerance), and each is tested against that teaching kernel. The history of how they got fast is in
 BENCHMARKS.md; `python -m llmz.bench --layer NAME` times one layer's teaching and fast versions.
 
-This package offers the same layer functions as llmz.kernels, with the same arguments: the fast version where
-there is one, the teaching one otherwise (imported from llmz.kernels below). The model picks a package once
-(`fast if dev.fast else kernels`, --kernels) and calls the same names. The fast set assumes a Device with
+This package is an op set (llmz.device.op_set): the same layer functions as llmz.kernels, with the same
+names and arguments: the fast version where there is one, the teaching one otherwise (imported from
+llmz.kernels below; tests/test_kernel_sets.py checks the three sets offer the same). It assumes a Device with
 kernels (gpu, or the simulator, which emulates its warp shuffles); cuBLAS needs a GPU.
 
     device_helpers.py  warp reductions, words of two elements, four slots a thread, launch helpers
@@ -23,7 +23,6 @@ from ..kernels import (
     classifier_forward,
     clip_scale,
     encoder_forward,
-    fill,
     from_bf16,
     norm_squared,
     sum_into,
@@ -35,16 +34,9 @@ from .adamw import adamw_update_bf16
 from .attention import attention_backward, attention_forward
 from .classifier import classifier_fused, classifier_loss
 from .encoder import encoder_backward
-from .fill import zero
+from .fill import fill, zero
 from .flash_attention import flash_attention_backward, flash_attention_forward
 from .gelu import gelu_backward, gelu_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .matmul import matmul_backward, matmul_forward
 from .residual import residual_backward, residual_forward
-
-__all__ = ["accumulate_shard", "accumulate_shard_bf16", "adamw_update", "adamw_update_bf16", "attention_backward",
-           "attention_forward", "classifier_backward", "classifier_forward", "classifier_fused", "classifier_loss",
-           "clip_scale", "encoder_backward", "encoder_forward", "fill", "flash_attention_backward",
-           "flash_attention_forward", "from_bf16", "gelu_backward",
-           "gelu_forward", "layernorm_backward", "layernorm_forward", "matmul_backward", "matmul_forward",
-           "norm_squared", "residual_backward", "residual_forward", "sum_into", "to_bf16", "zero"]

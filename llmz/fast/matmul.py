@@ -18,6 +18,7 @@ from numba import cuda
 
 from ..device import ceil_div
 from ..kernels.bf16 import load, store
+from ..kernels.matmul import backward_products
 from .column_sum import column_sum
 from .device_helpers import pair_view, pairs_apply
 from .gemm import gemm
@@ -66,12 +67,9 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight, dinp_accumulate: bool = True) -> None:
     """dinp (...,C) += dout @ weight; dweight (OC,C) += dout.T @ inp; dbias (OC,) += dout summed over rows
     (dbias may be None). Accumulates (+=) into all three (dinp_accumulate=False: overwrites dinp)."""
-    OC, C = weight.shape
-    dout2 = dout.reshape(-1, OC)
-    # dinp (N,C) (+)= dout (N,OC) @ weight (OC,C)
-    gemm(dev, dinp.reshape(-1, C), dout2, weight, False, False, dinp_accumulate)
-    # dweight (OC,C) += dout.T (OC,N) @ inp (N,C)
-    gemm(dev, dweight, dout2, inp.reshape(-1, C), True, False, True)
+    dout2 = dout.reshape(-1, weight.shape[0])
+    # the teaching backward's two products, on this set's gemm
+    backward_products(dev, gemm, dinp, dweight, dout2, inp, weight, dinp_accumulate)
     # dbias (OC,) += column sums of dout
     if dbias is not None:
         column_sum(dev, dbias, dout2)

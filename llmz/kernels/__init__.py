@@ -6,8 +6,11 @@ llmz.fast, each tested against its teaching twin here; `--kernels teaching|fast`
 
 Every layer function takes the Device first and then its arrays, llm.c style (outputs first):
     gelu_forward(dev, out, inp)
-On a Device with kernels (gpu, sim) it launches the kernel; on cpu it runs the NumPy reference `*_ref`.
-Backward functions accumulate (+=) into parameter and input gradients, as llm.c's do; each says so.
+and launches its kernels on the Device (gpu or sim). Its NumPy reference, `gelu_forward_ref(out, inp)`, is in
+the same file; llmz.reference offers the references under the layer functions' names and arguments: the op
+set a cpu Device runs. The names below (`__all__`) are what every op set offers: llmz.reference, this
+package, and llmz.fast (llmz.device.op_set picks one per Device). Backward functions accumulate (+=) into
+parameter and input gradients, as llm.c's do; each says so.
 
     encoder.py     encoder_forward / encoder_backward
     layernorm.py   layernorm_forward / layernorm_backward

@@ -76,8 +76,9 @@ def accumulate_shard_bf16_kernel(shard, slot, rank, n, total, stochastic, seed, 
         slot[i] = 0
 
 
-# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
-def _check_split(n, total, rank):
+# ---- the layer: the kernel's launch ------------------------------------------------------------------
+def check_split(n, total, rank):
+    """Refuse a slot that does not hold N shards of n, or a rank not among them."""
     if total % n or not 0 <= rank < total // n:
         raise ValueError(f"slot of {total} elements does not hold rank {rank}'s shard of {n}")
 
@@ -86,9 +87,7 @@ def accumulate_shard(dev, shard, slot, rank, stream=None):
     """shard: (n,); slot: (N*n,). shard += slot[rank*n:(rank+1)*n]; slot = 0. One kernel, no memset.
     stream: where it runs (default the compute stream; ZeRO-2 runs it on the comm stream)."""
     n, total = shard.size, slot.size
-    _check_split(n, total, rank)
-    if not dev.kernels:
-        return accumulate_shard_ref(shard, slot, rank)
+    check_split(n, total, rank)
     dev.launch(accumulate_shard_kernel, ceil_div(total, dev.block_size), dev.block_size,
                shard, slot, rank, n, total, stream=stream)
 
@@ -102,10 +101,7 @@ def accumulate_shard_bf16(dev, shard_u16, slot_u16, rank, seed, step, stochastic
     before each micro-step, so a CUDA graph that captured this launch still draws fresh words every replay).
     stream: as in accumulate_shard (an int step only on the compute stream, where its upload is ordered)."""
     n, total = shard_u16.size, slot_u16.size
-    _check_split(n, total, rank)
-    if not dev.kernels:
-        step = step if isinstance(step, int) else int(dev.to_host(step)[0])
-        return accumulate_shard_bf16_ref(shard_u16, slot_u16, rank, seed, step, stochastic, offset)
+    check_split(n, total, rank)
     if isinstance(step, int):
         assert stream is None, "an int step is uploaded on the compute stream: pass a device array instead"
         step = dev.asarray(np.array([step & 0xFFFFFFFF], np.uint64))

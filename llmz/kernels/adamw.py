@@ -115,12 +115,10 @@ def adamw_bf16_kernel(params, master, grads, m, v, decay_size, scalars, beta1, b
         params[i] = round_bf16(p32, stochastic, seed, offset + np.uint64(i), step)
 
 
-# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernel's launch -------------------------------------------------------------
 def adamw_update(dev, params, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay):
     """params, grads, m, v: (n,); scalars: float64 device array [lr, grad_scale, 1-beta1^t, 1-beta2^t].
     Overwrites params, m and v."""
-    if not dev.kernels:
-        return adamw_update_ref(params, grads, m, v, decay_size, scalars, beta1, beta2, eps, weight_decay)
     n = params.size
     dev.launch(adamw_kernel, ceil_div(n, dev.block_size), dev.block_size,
                params, grads, m, v, int(decay_size), scalars,
@@ -134,9 +132,6 @@ def adamw_update_bf16(dev, params_u16, master_f32, grads_u16, m, v, decay_size, 
     stochastically with the random word of (seed, offset + i, step) (or to nearest). Pass as `offset` the
     position of params[0] in the whole flat parameter buffer: every rank and ZeRO stage then draws the same
     bits for the same parameter. Overwrites params, master, m and v."""
-    if not dev.kernels:
-        return adamw_update_bf16_ref(params_u16, master_f32, grads_u16, m, v, decay_size, scalars, beta1, beta2,
-                                     eps, weight_decay, seed, stochastic, offset)
     n = params_u16.size
     seed_u64, _, offset_u64 = hash_args(seed, 0, offset)          # the step comes from scalars[4]
     dev.launch(adamw_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size,

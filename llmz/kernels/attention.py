@@ -208,13 +208,11 @@ def attention_dinp_kernel(dinp, dpreatt, att, dout, inp, scale):
         store_add(dinp, (b, t, 2 * C + c), dv)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def attention_forward(dev, out, preatt, att, inp, num_heads, upper_is_zero=False) -> None:
     """inp (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) kept for backward. Overwrites all three.
     upper_is_zero: att already holds +0.0 above the diagonal (the fast set may then leave it); these kernels
     write it anyway."""
-    if not dev.kernels:
-        return attention_forward_ref(out, preatt, att, inp, num_heads)
     B, T, C3 = inp.shape
     C = C3 // 3
     hs = C // num_heads
@@ -232,8 +230,6 @@ def attention_backward(dev, dinp, dpreatt, datt, dout, inp, att, num_heads, accu
                        upper_is_zero=False) -> None:
     """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=; accumulate=False: overwrites). dpreatt, datt
     (B,NH,T,T): scratch, overwritten (upper_is_zero as in attention_forward)."""
-    if not dev.kernels:
-        return attention_backward_ref(dinp, dpreatt, datt, dout, inp, att, num_heads, accumulate)
     if not accumulate:
         zero(dev, dinp)                 # the dinp kernel accumulates
     B, T, C3 = inp.shape

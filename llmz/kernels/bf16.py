@@ -54,8 +54,14 @@ def hash_args(seed: int, step: int, offset: int = 0) -> tuple:
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
 def to_bf16_ref(out, x, mode="nearest", seed=0, step=0, offset=0):
     """out: uint16, x: float32, same shape. Overwrites out with x rounded to bf16 bits."""
+    check_mode(mode)
     out[...] = f32_to_bf16_stochastic(x, seed, step, offset) if mode == "stochastic" else f32_to_bf16(x)
 
 
@@ -191,14 +197,11 @@ def from_bf16_kernel(out, x, n):
         out[i] = bf16_to_f32_dev(x[i])
 
 
-# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernel's launch -------------------------------------------------------------
 def to_bf16(dev, out_u16, x_f32, mode="nearest", seed=0, step=0, offset=0):
     """out_u16 (uint16 bf16 bits) <- x_f32 rounded, same shape. Overwrites out. mode 'stochastic' draws the
     random word of element k (flattened) at index offset + k for (seed, step)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown rounding mode {mode!r}; choose one of {', '.join(MODES)}")
-    if not dev.kernels:
-        return to_bf16_ref(out_u16, x_f32, mode, seed, step, offset)
+    check_mode(mode)
     n = x_f32.size
     dev.launch(to_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size,
                out_u16.reshape(-1), x_f32.reshape(-1), mode == "stochastic", *hash_args(seed, step, offset), n)
@@ -206,8 +209,6 @@ def to_bf16(dev, out_u16, x_f32, mode="nearest", seed=0, step=0, offset=0):
 
 def from_bf16(dev, out_f32, x_u16):
     """out_f32 <- the float32 values of the bf16 bits x_u16, same shape. Overwrites out (exact)."""
-    if not dev.kernels:
-        return from_bf16_ref(out_f32, x_u16)
     n = x_u16.size
     dev.launch(from_bf16_kernel, ceil_div(n, dev.block_size), dev.block_size,
                out_f32.reshape(-1), x_u16.reshape(-1), n)

@@ -70,6 +70,12 @@ def classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size):
     dlogits[..., V:] = 0
 
 
+def classifier_loss_ref(losses, logits, targets, vocab_size):
+    """logits: (B,T,Vp); targets, losses: (B,T). Overwrites losses; the logits stay as they are (the probs go
+    into a temporary)."""
+    classifier_forward_ref(losses, np.empty_like(logits), logits, targets, vocab_size)
+
+
 def classifier_fused_ref(losses, logits, targets, dloss, vocab_size):
     """logits: (B,T,Vp); targets, losses: (B,T); dloss: a float. Overwrites losses, and logits with dlogits:
     the forward reference with its probs computed in place over the logits, then the backward reference in
@@ -124,12 +130,10 @@ def classifier_backward_kernel(dlogits, probs, targets, dloss, V, Vp, n):
             store(dlogits, i, 0.0)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def classifier_forward(dev, losses, probs, logits, targets, vocab_size) -> None:
     """logits, probs: (B,T,Vp), two different arrays; targets: (B,T) int32; losses: (B,T). Overwrites losses
     and probs."""
-    if not dev.kernels:
-        return classifier_forward_ref(losses, probs, logits, targets, vocab_size)
     Vp = logits.shape[-1]
     rows = logits.size // Vp
     dev.launch(classifier_forward_kernel, rows, min(dev.block_size, MAX_BLOCK),
@@ -139,8 +143,6 @@ def classifier_forward(dev, losses, probs, logits, targets, vocab_size) -> None:
 
 def classifier_backward(dev, dlogits, probs, targets, dloss, vocab_size) -> None:
     """dlogits, probs: (B,T,Vp); targets: (B,T); dloss: float. Overwrites dlogits (may be the logits buffer)."""
-    if not dev.kernels:
-        return classifier_backward_ref(dlogits, probs, targets, dloss, vocab_size)
     Vp = probs.shape[-1]
     n = probs.size
     dev.launch(classifier_backward_kernel, ceil_div(n, dev.block_size), dev.block_size,
@@ -149,8 +151,8 @@ def classifier_backward(dev, dlogits, probs, targets, dloss, vocab_size) -> None
 
 def classifier_loss(dev, losses, logits, targets, vocab_size) -> None:
     """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T). Overwrites losses; the logits stay as they are
-    (the forward kernel writes its probs into a scratch buffer; the NumPy reference into a temporary)."""
-    probs = dev.scratch("classifier_probs", logits.shape, logits.dtype) if dev.kernels else np.empty_like(logits)
+    (the forward kernel writes its probs into a scratch buffer)."""
+    probs = dev.scratch("classifier_probs", logits.shape, logits.dtype)
     classifier_forward(dev, losses, probs, logits, targets, vocab_size)
 
 
@@ -158,8 +160,6 @@ def classifier_fused(dev, losses, logits, targets, dloss, vocab_size) -> None:
     """logits: (B,T,Vp); targets: (B,T) int32; losses: (B,T); dloss: float. Overwrites losses, and logits with
     dlogits = (softmax - onehot(target)) * dloss: the forward kernel (probs into a scratch buffer), then the
     backward kernel over the logits."""
-    if not dev.kernels:
-        return classifier_fused_ref(losses, logits, targets, dloss, vocab_size)
     probs = dev.scratch("classifier_probs", logits.shape, logits.dtype)
     classifier_forward(dev, losses, probs, logits, targets, vocab_size)
     classifier_backward(dev, logits, probs, targets, dloss, vocab_size)

@@ -81,11 +81,9 @@ def encoder_backward_wte_kernel(dwte, dout, inp):
                 store_add(dwte, (inp[b, t], c), load(dout, (b, t, c)))
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def encoder_forward(dev, out, inp, wte, wpe) -> None:
     """out: (B,T,C); inp: (B,T) int32; wte: (Vp,C); wpe: (maxT,C). Overwrites out."""
-    if not dev.kernels:
-        return encoder_forward_ref(out, inp, wte, wpe)
     dev.launch(encoder_forward_kernel, ceil_div(out.size, dev.block_size), dev.block_size, out, inp, wte, wpe)
 
 
@@ -93,8 +91,6 @@ def encoder_backward(dev, dwte, dwpe, dout, inp, buckets=None) -> None:
     """dwte: (Vp,C); dwpe: (maxT,C); dout: (B,T,C); inp: (B,T) int32. Accumulates (+=) into dwte, dwpe.
     buckets: the fast set's positions sorted by token (llmz.fast.encoder); the teaching wte kernel walks the
     positions itself and does not need them."""
-    if not dev.kernels:
-        return encoder_backward_ref(dwte, dwpe, dout, inp)
     _, T, C = dout.shape
     bs = dev.block_size
     dev.launch(encoder_backward_wpe_kernel, ceil_div(T * C, bs), bs, dwpe, dout)

@@ -117,14 +117,40 @@ def flash_attention_backward_ref(dinp, dout, inp, out, lse, num_heads, accumulat
 
 
 # ---- Numba kernels ------------------------------------------------------------------------------
+# what the three tile kernels share: where the thread is, a tile staged into shared memory, a row of sums
+@cuda.jit(device=True)
+def tile_coords(x, lse):
+    """(T, C, hs, r, h, b) of this thread: x (B,T,C) and lse (B,NH,T) give the sizes; the grid is (tile, h,
+    b) and thread r is row r of its tile."""
+    T, C = x.shape[1], x.shape[2]
+    return T, C, C // lse.shape[1], cuda.threadIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+
+
+@cuda.jit(device=True)
+def stage_tile(tile_a, tile_b, a, col_a, b_src, col_b, batch, row, hs, T):
+    """Thread r (its threadIdx) copies position `row` of a and b_src (B,T,*), hs channels from col_a and
+    col_b, into row r of tile_a and tile_b (BLOCK, HS_MAX); nothing past T."""
+    r = cuda.threadIdx.x
+    if row < T:
+        for i in range(hs):
+            tile_a[r, i] = load(a, (batch, row, col_a + i))
+            tile_b[r, i] = load(b_src, (batch, row, col_b + i))
+
+
+@cuda.jit(device=True)
+def write_row(dst, batch, row, col, sums, hs, accumulate):
+    """dst[batch, row, col + i] (+)= sums[r, i] for i < hs, r the thread's index (accumulate: adds)."""
+    r = cuda.threadIdx.x
+    for i in range(hs):
+        idx = (batch, row, col + i)
+        store(dst, idx, sums[r, i] + load(dst, idx) if accumulate else sums[r, i])
+
+
 @cuda.jit
 def flash_attention_forward_kernel(out, lse, inp, scale):
     # out (B,T,C); lse (B,NH,T); inp (B,T,3C). Block (query tile, h, b); thread r owns query t = tile*BLOCK + r.
     # Overwrites out and lse.
-    T, C = out.shape[1], out.shape[2]
-    hs = C // lse.shape[1]
-    r = cuda.threadIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
+    T, C, hs, r, h, b = tile_coords(out, lse)
     t = cuda.blockIdx.x * BLOCK + r
     k_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
     v_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
@@ -138,10 +164,7 @@ def flash_attention_forward_kernel(out, lse, inp, scale):
     end = min((cuda.blockIdx.x + 1) * BLOCK, T)
     for k0 in range(0, end, BLOCK):
         # stage the key and value tile: thread r copies key k0 + r
-        if k0 + r < T:
-            for i in range(hs):
-                k_tile[r, i] = load(inp, (b, k0 + r, C + h * hs + i))
-                v_tile[r, i] = load(inp, (b, k0 + r, 2 * C + h * hs + i))
+        stage_tile(k_tile, v_tile, inp, C + h * hs, inp, 2 * C + h * hs, b, k0 + r, hs, T)
         cuda.syncthreads()
         if t < T:
             # the tile's scores (keys u <= t) and the new running max
@@ -194,24 +217,18 @@ def flash_attention_dkv_kernel(dinp, dout, inp, lse, dsum, scale, accumulate):
     # dinp, inp (B,T,3C); dout (B,T,C); lse, dsum (B,NH,T). Block (key tile, h, b); thread r owns key u.
     # dk_u = scale * sum over t >= u of dS[t,u] q_t, dv_u = sum over t >= u of P[t,u] dout_t, the query tiles
     # from the key tile's own (the diagonal) to the last, in order. (+)= into dinp's k and v parts.
-    T, C = dout.shape[1], dout.shape[2]
-    hs = C // lse.shape[1]
-    r = cuda.threadIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
+    T, C, hs, r, h, b = tile_coords(dout, lse)
     u = cuda.blockIdx.x * BLOCK + r
-    q_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
-    do_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
-    dk = cuda.shared.array((BLOCK, HS_MAX), numba.float64)      # row r: this thread's sums
+    dk = cuda.shared.array((BLOCK, HS_MAX), numba.float64)      # row r: this thread's sums, from 0
     dv = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
     for i in range(hs):
         dk[r, i] = 0.0
         dv[r, i] = 0.0
+    q_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
+    do_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
     for t0 in range(cuda.blockIdx.x * BLOCK, T, BLOCK):
-        # stage the query tile: q, dout, and the rows' lse and D
-        if t0 + r < T:
-            for i in range(hs):
-                q_tile[r, i] = load(inp, (b, t0 + r, h * hs + i))
-                do_tile[r, i] = load(dout, (b, t0 + r, h * hs + i))
+        # stage the query tile: q and dout
+        stage_tile(q_tile, do_tile, inp, h * hs, dout, h * hs, b, t0 + r, hs, T)
         cuda.syncthreads()
         if u < T:
             for j in range(BLOCK):
@@ -230,33 +247,24 @@ def flash_attention_dkv_kernel(dinp, dout, inp, lse, dsum, scale, accumulate):
                         dk[r, i] += ds * q_tile[j, i] * scale
         cuda.syncthreads()
     if u < T:
-        for i in range(hs):
-            ik = (b, u, C + h * hs + i)
-            iv = (b, u, 2 * C + h * hs + i)
-            store(dinp, ik, dk[r, i] + load(dinp, ik) if accumulate else dk[r, i])
-            store(dinp, iv, dv[r, i] + load(dinp, iv) if accumulate else dv[r, i])
+        write_row(dinp, b, u, C + h * hs, dk, hs, accumulate)
+        write_row(dinp, b, u, 2 * C + h * hs, dv, hs, accumulate)
 
 
 @cuda.jit
 def flash_attention_dq_kernel(dinp, dout, inp, lse, dsum, scale, accumulate):
     # As flash_attention_dkv_kernel for dq: block (query tile, h, b), thread r owns query t;
     # dq_t = scale * sum over u <= t of dS[t,u] k_u, the key tiles from the first to the diagonal, in order.
-    T, C = dout.shape[1], dout.shape[2]
-    hs = C // lse.shape[1]
-    r = cuda.threadIdx.x
-    h, b = cuda.blockIdx.y, cuda.blockIdx.z
+    T, C, hs, r, h, b = tile_coords(dout, lse)
     t = cuda.blockIdx.x * BLOCK + r
-    k_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
-    v_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
-    dq = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
+    dq = cuda.shared.array((BLOCK, HS_MAX), numba.float64)      # row r: this thread's sums, from 0
     for i in range(hs):
         dq[r, i] = 0.0
+    k_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
+    v_tile = cuda.shared.array((BLOCK, HS_MAX), numba.float64)
     end = min((cuda.blockIdx.x + 1) * BLOCK, T)
     for k0 in range(0, end, BLOCK):
-        if k0 + r < T:
-            for i in range(hs):
-                k_tile[r, i] = load(inp, (b, k0 + r, C + h * hs + i))
-                v_tile[r, i] = load(inp, (b, k0 + r, 2 * C + h * hs + i))
+        stage_tile(k_tile, v_tile, inp, C + h * hs, inp, 2 * C + h * hs, b, k0 + r, hs, T)
         cuda.syncthreads()
         if t < T:
             for j in range(BLOCK):
@@ -272,12 +280,10 @@ def flash_attention_dq_kernel(dinp, dout, inp, lse, dsum, scale, accumulate):
                         dq[r, i] += ds * k_tile[j, i] * scale
         cuda.syncthreads()
     if t < T:
-        for i in range(hs):
-            idx = (b, t, h * hs + i)
-            store(dinp, idx, dq[r, i] + load(dinp, idx) if accumulate else dq[r, i])
+        write_row(dinp, b, t, h * hs, dq, hs, accumulate)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def _check_head_size(hs: int) -> None:
     if hs > HS_MAX:
         raise ValueError(f"flash attention's teaching kernels hold heads of at most {HS_MAX} channels, "
@@ -287,8 +293,6 @@ def _check_head_size(hs: int) -> None:
 def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
     """inp (B,T,3C) -> out (B,T,C) and lse (B,NH,T), the per-row log-sum-exp kept for backward.
     Overwrites out and lse. (llmz.fast.flash_attention runs bf16 values of head size 64 on tensor cores.)"""
-    if not dev.kernels:
-        return flash_attention_forward_ref(out, lse, inp, num_heads)
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
     _check_head_size(hs)
@@ -299,8 +303,6 @@ def flash_attention_forward(dev, out, lse, inp, num_heads) -> None:
 def flash_attention_backward(dev, dinp, dout, inp, out, lse, num_heads, accumulate=True) -> None:
     """dout (B,T,C) -> dinp (B,T,3C): accumulates (+=; accumulate=False: overwrites). Reads forward's inp,
     out and lse. D = rowsum(dout * out) goes through a (B,NH,T) scratch buffer of lse's dtype."""
-    if not dev.kernels:
-        return flash_attention_backward_ref(dinp, dout, inp, out, lse, num_heads, accumulate)
     B, T, C3 = inp.shape
     hs = C3 // 3 // num_heads
     dsum = dev.scratch("flash_attention_dsum", lse.shape, lse.dtype)

@@ -77,11 +77,9 @@ def matmul_backward_bias_kernel(dbias, dout):
         store_add(dbias, oc, acc)
 
 
-# ---- the layer: kernels on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernels' launches -----------------------------------------------------------
 def matmul_forward(dev, out, inp, weight, bias) -> None:
     """out (...,OC) = inp (...,C) @ weight (OC,C).T + bias (OC,) (bias may be None). Overwrites out."""
-    if not dev.kernels:
-        return matmul_forward_ref(out, inp, weight, bias)
     OC, C = weight.shape
     out2 = out.reshape(-1, OC)
     # out = bias in every row, then out += inp (N,C) @ weight.T (C,OC): the sum rounded once
@@ -93,14 +91,19 @@ def matmul_forward(dev, out, inp, weight, bias) -> None:
 def matmul_backward(dev, dinp, dweight, dbias, dout, inp, weight, dinp_accumulate: bool = True) -> None:
     """dinp (...,C) += dout @ weight; dweight (OC,C) += dout.T @ inp; dbias (OC,) += dout summed over rows
     (dbias may be None). Accumulates (+=) into all three (dinp_accumulate=False: overwrites dinp)."""
-    if not dev.kernels:
-        return matmul_backward_ref(dinp, dweight, dbias, dout, inp, weight, dinp_accumulate)
-    OC, C = weight.shape
+    OC = weight.shape[0]
     dout2 = dout.reshape(-1, OC)
-    # dinp (N,C) (+)= dout (N,OC) @ weight (OC,C)
-    gemm(dev, dinp.reshape(-1, C), dout2, weight, False, False, dinp_accumulate)
-    # dweight (OC,C) += dout.T (OC,N) @ inp (N,C)
-    gemm(dev, dweight, dout2, inp.reshape(-1, C), True, False, True)
+    backward_products(dev, gemm, dinp, dweight, dout2, inp, weight, dinp_accumulate)
     # dbias (OC,) += column sums of dout
     if dbias is not None:
         dev.launch(matmul_backward_bias_kernel, ceil_div(OC, dev.block_size), dev.block_size, dbias, dout2)
+
+
+def backward_products(dev, product, dinp, dweight, dout2, inp, weight, dinp_accumulate: bool) -> None:
+    """The two products of matmul_backward, each on `product` (this file's tiled gemm; llmz.fast.matmul passes
+    llmz.fast.gemm's, cuBLAS where --matmul says). dout2: dout as (N,OC) rows."""
+    C = weight.shape[1]
+    # dinp (N,C) (+)= dout (N,OC) @ weight (OC,C)
+    product(dev, dinp.reshape(-1, C), dout2, weight, False, False, dinp_accumulate)
+    # dweight (OC,C) += dout.T (OC,N) @ inp (N,C)
+    product(dev, dweight, dout2, inp.reshape(-1, C), True, False, True)

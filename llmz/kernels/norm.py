@@ -48,6 +48,11 @@ def clip_scale_ref(scalars, norm_sq, clip):
     scalars[1] = clip / norm if (clip > 0 and norm > clip) else 1.0
 
 
+def sum_into_ref(out, x, accumulate=True):
+    """out: (1,) float64; x: any shape. out[0] (+)= the sum of x, in float64."""
+    out[0] = (out[0] if accumulate else 0.0) + x.sum(dtype=np.float64)
+
+
 def global_norm_ref(arrays) -> float:
     """sqrt(sum of squares) over a list of host arrays, in float64 (for tests and logs)."""
     return math.sqrt(sum(float(np.einsum("i,i->", a.reshape(-1), a.reshape(-1), dtype=np.float64))
@@ -133,7 +138,7 @@ def clip_scale_kernel(scalars, norm_sq, clip):
         scalars[1] = clip / norm if (clip > 0.0 and norm > clip) else 1.0
 
 
-# ---- the layer: kernel on gpu/sim, reference on cpu --------------------------------------------
+# ---- the layer: the kernel's launch -------------------------------------------------------------
 def norm_blocks(dev, n: int) -> int:
     """Blocks in pass 1 for n elements: fixed by n and dev.block_size, so the summation order is too."""
     return max(1, min(NORM_BLOCKS, dev.block_size, ceil_div(n, dev.block_size)))
@@ -142,8 +147,6 @@ def norm_blocks(dev, n: int) -> int:
 def norm_squared(dev, out, x, scratch, accumulate: bool = False):
     """out: (1,) float64; x: (n,); scratch: float64, at least NORM_BLOCKS. Overwrites out[0] with sum(x^2);
     accumulate=True adds it to out[0] instead (a norm over several arrays, each added in turn)."""
-    if not dev.kernels:
-        return norm_squared_ref(out, x, scratch, accumulate)
     n = x.size
     nblocks = norm_blocks(dev, n)
     assert scratch.size >= nblocks, (scratch.size, nblocks)
@@ -154,14 +157,9 @@ def norm_squared(dev, out, x, scratch, accumulate: bool = False):
 def sum_into(dev, out, x, accumulate: bool = True):
     """out: (1,) float64; x: any shape. out[0] (+)= the sum of x, in float64 and a fixed order (one block:
     meant for small x, such as the (B,T) losses of a micro-step, summed on the device with no host read)."""
-    if not dev.kernels:
-        out[0] = (out[0] if accumulate else 0.0) + x.sum(dtype=np.float64)
-        return
     dev.launch(norm_final_kernel, 1, dev.block_size, out, x.reshape(-1), x.size, bool(accumulate))
 
 
 def clip_scale(dev, scalars, norm_sq, clip):
     """scalars: float64 AdamW scalars; norm_sq: (1,) float64. Overwrites scalars[1] (grad_scale)."""
-    if not dev.kernels:
-        return clip_scale_ref(scalars, norm_sq, clip)
     dev.launch(clip_scale_kernel, 1, 1, scalars, norm_sq, float(clip))

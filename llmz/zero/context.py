@@ -8,7 +8,6 @@ event again moves it (a wait uses the latest record at the time of the call).
 """
 from __future__ import annotations
 
-from .. import fast, kernels
 from ..layout import Layout
 
 
@@ -21,7 +20,7 @@ class Context:
     def __init__(self, layout: Layout, dev, comm, bf16: bool, seed: int, overlap: bool, tracer=None):
         assert layout.world_size == comm.world_size
         self.layout, self.dev, self.comm, self.rank = layout, dev, comm, comm.rank
-        self.kernels = fast if dev.fast else kernels    # the layer functions, as in llmz.model
+        self.kernels = dev.ops                          # the layer functions, as in llmz.model
         # bf16: parameters and gradients are uint16 bit patterns, AdamW keeps an fp32 master copy and writes the
         # bf16 values from it with stochastic rounding drawn from (seed, element, step)
         self.bf16, self.seed = bf16, seed

@@ -1,5 +1,5 @@
 """One ZeRO stage put together from its three parts (the table in llmz/zero/__init__.py), and the training step
-they make. What train.py, the lessons and the tests call, with z = make_stage(...):
+they make. What llmz.trainer, the lessons and the tests call, with z = make_stage(...):
 
     each micro-step  model.forward(z.pviews, x); model.backward(z.pviews, z, x, y, dloss); z.backward_done()
     after the last   z.update(step)  =  z.set_scalars(step); z.optimize(); z.grad_norm()
@@ -32,14 +32,14 @@ class ZeroStage:
         grad_store, param_store, sharded = parts
         self.stage, self.layout, self.dev, self.comm, self.opt = stage, layout, dev, comm, opt
         # bf16 (parameters, gradients and activations as uint16 bit patterns), decided once, from the device
-        bf16 = dev.dtype == np.uint16
+        bf16 = dev.precision.bf16
         self.ctx = Context(layout, dev, comm, bf16, seed, overlap, tracer)
         self.allocated = self.ctx.allocated             # category -> bytes allocated (the memory report)
         self.param_store = param_store(self.ctx, sharded, start_values(params_host, bf16, seed, start_step))
         self.optimizer = ShardedAdamW(self.ctx, opt, sharded, params_host)
         self.grad_store = grad_store(self.ctx, sharded)
         self.pviews = self.param_store                  # the parameter store the model asks p.bucket(b)
-        # the parts' buffers under their own names, for the code that reads them (train.py's finite check,
+        # the parts' buffers under their own names, for the code that reads them (llmz.guards' finite check,
         # the tests): z.params or z.param_shard, z.grads or z.grad_shard, z.master (None in fp32), z.m, z.v
         for part in (self.param_store, self.grad_store, self.optimizer):
             for name, buf in part.buffers().items():
