@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from llmz.args import check_kernels, check_train, parse_lesson
+from llmz.comm import Request
 from llmz.config import TrainConfig, default_print_every
 from llmz.device import resolve
 from llmz.errors import UsageError
@@ -140,7 +141,12 @@ def apply_break(stage) -> None:
         raise SystemExit(f"LLMZ_LESSON_BREAK={what}: choose one of {', '.join(BREAKS)}")
     if what == "skip_all_gather" and stage.stage == 3:
         comm = stage.comm
-        comm.all_gather = lambda buf, src=None: src is not None and comm.place(buf, src)
+
+        def no_gather(buf, src=None) -> Request:        # my slice in its place; the others' stay stale
+            if src is not None:
+                comm.place(buf, src)
+            return Request()                            # done at once (all_gather starts one and waits)
+        comm.start_all_gather = no_gather
     elif what == "skip_all_gather":
         stage.gather_parameters = lambda: None
     if what == "skip_all_reduce":
