@@ -36,7 +36,7 @@ from llmz.errors import UsageError
 from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
 from llmz.memory import fmt_bytes
 from llmz.runlog import zero_on_one_rank
-from llmz.trace import save_png
+from llmz.trace import overlap, save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -250,6 +250,20 @@ def sent_as_predicted(ranks, sent: list, expect: int) -> tuple[int, bool]:
 def same_bits(ranks, run, other) -> list[bool]:
     """On every rank: do these two runs hold the same parameter bits?"""
     return gather(ranks, params_hash(run) == params_hash(other))
+
+
+def check_overlap(ck, ranks, run, events: list, expected: str) -> bool:
+    """Checkpoint: in the traced step (rank 0's timeline, llmz.trace.overlap) a layer computed during part of
+    the time collectives were in flight: communication hidden behind compute. expected: the share the lesson
+    expects, and why. With one rank nothing is sent, so nothing is ever in flight: trivial."""
+    if ranks.world_size == 1:
+        return ck.check(True, "overlap: nothing is sent with 1 rank, so no collective is ever in flight",
+                        across_ranks=True)
+    if ranks.rank != 0:                                 # rank 0 traced the step; its verdict is the check's
+        return ck.check(True, "")
+    m = overlap(events)
+    return ck.check(m.hidden_ms > 0, f"overlap in the traced step, {run.dev.kind} (rank 0): {m}; expected > 0, "
+                    f"{expected}")
 
 
 # ---- across ranks -----------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ On the GPU every span is a pair of CUDA events recorded on its stream (no host s
 tracing; the times are read once, at stop()). On cpu and sim the layers run in program order on the host and
 the spans are host clock readings; a collective is MPI's non-blocking call (llmz.comm), and its bar runs from
 the moment it was started to the moment this rank saw it complete. MPICH moves a collective's data only inside
-MPI calls, which backward makes between layers (llmz.comm's progress()), so a bar that starts after block l
-typically ends after block l-1: what it shows is that the rank computed meanwhile instead of waiting.
+MPI calls, which backward makes between layers (llmz.comm's progress()), and needs two or more of them after
+the start, so a bar that starts after block l ends after block l-1: the rank computed meanwhile instead of
+waiting for the other rank, and the copying and adding happened in the MPI calls between the layers.
 
 overlap(events) measures the picture: how long collectives were in flight and how much of that time a layer
-was computing (hidden), the rest being time the rank waited for them (exposed).
+was computing (hidden); the rest is exposed: the rank waited for them, or was between layers (on CPU ranks:
+in the MPI calls, adding my slice into the shard, starting the next collective).
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ class Tracer:
 
 class Overlap(NamedTuple):
     """What a timeline says about communication: comm_ms, the time at least one collective was in flight;
-    hidden_ms, the part of it during which a layer was computing. The rest, comm_ms - hidden_ms, the rank
-    waited (exposed)."""
+    hidden_ms, the part of it during which a layer was computing. The rest, comm_ms - hidden_ms, is exposed
+    (the rank waited, or did other work between layers)."""
     comm_ms: float
     hidden_ms: float
 
@@ -95,7 +97,7 @@ class Overlap(NamedTuple):
 
     def __str__(self) -> str:
         return (f"collectives in flight {self.comm_ms:.2f} ms, {self.hidden_ms:.2f} ms of it behind compute "
-                f"({self.share:.0%} hidden), {self.comm_ms - self.hidden_ms:.2f} ms waited for")
+                f"({self.share:.0%} hidden), {self.comm_ms - self.hidden_ms:.2f} ms exposed")
 
 
 def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

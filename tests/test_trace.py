@@ -1,6 +1,7 @@
 """The stage-2 timeline PNG stays readable: every span label lies inside its own bar and no two labels
 overlap, however narrow the spans (lesson 03 at K=3 on the CPU: compute spans of a few µs beside
-reduce-scatters of tens of ms); wide spans are named; each micro-step is marked."""
+reduce-scatters of tens of ms); wide spans are named; each micro-step is marked. The overlap it reports counts
+each instant once; two CPU ranks at stage 2 show reduce-scatters hidden behind backward (none with --no-overlap)."""
 import numpy as np
 import pytest
 
@@ -113,3 +114,32 @@ def test_collectives_in_flight_together_are_stacked_in_lanes():
     fig = trace.timeline_figure([{**s, "name": f"reduce-scatter block{i}", "tid": "comm"} for i, s in enumerate(spans)],
                                 "title", streams=False)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["collectives\nin flight", "layers\ncomputing"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False])
+def test_two_cpu_ranks_at_stage_2_hide_reduce_scatters_behind_backward_unless_told_not_to(tmp_path, overlap):
+    """`llmz.train --trace` on 2 CPU ranks at stage 2: the traced step's line and the JSON both give overlap > 0;
+    with --no-overlap (each reduce-scatter waited for where it starts) exactly 0. The first cannot flake on a
+    loaded machine: MPICH finishes a started collective only after two or more MPI calls (measured: 2 for 2 KB,
+    3 from 64 KB, whenever the other rank started it), and backward makes one between done(b), which starts
+    block b's reduce-scatter, and the next block's first kernel, so each one but the embeddings' (the last) is
+    still in flight when that block computes; load only makes it longer."""
+    import json
+    import re
+
+    from mpirun import run_mpi
+    t = tmp_path / "t.json"
+    p = run_mpi(2, ["-m", "llmz.train", "--device", "cpu", "--model", "tiny", "-b", "2", "-t", "16", "--steps", "2",
+                    "--zero-stage", "2", "--comm", "mpi", "--val-data", "", "--sample-tokens", "0", "--trace",
+                    str(t), *([] if overlap else ["--no-overlap"])], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = re.search(r"^timeline .* step 1: collectives in flight ([\d.]+) ms, ([\d.]+) ms of it behind compute",
+                     p.stdout, re.MULTILINE)
+    assert said and float(said.group(1)) > 0, p.stdout
+    events = json.loads(t.read_text())["traceEvents"]
+    measured = trace.overlap(events)
+    assert f"{measured.comm_ms:.2f} {measured.hidden_ms:.2f}" == f"{said.group(1)} {said.group(2)}"
+    assert measured.hidden_ms > 0 if overlap else measured.hidden_ms == 0
+    assert trace.legend(events) == "RS reduce-scatter"          # stage 2 traces no forward, gathers nothing
+    assert t.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
