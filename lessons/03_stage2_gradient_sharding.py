@@ -80,13 +80,9 @@ def lesson(a, ranks) -> int:
         text = (f"timeline {png} written: {spans['compute']} compute + {spans['comm']} comm spans in step "
                 f"{min(1, a.steps - 1)}, expected K*(L+2) = {K * (L + 2)} each")
     ck.check(ok, text)
-    expected = ("most of it: the comm stream reduce-scatters block l beside block l-1's backward; exposed: the "
-                "embeddings' (the last)" if run.dev.kind == "gpu" else
-                "about 3/4 for thin on 2 idle CPU cores (less on busy ones): a reduce-scatter started as its "
-                "block's backward ends needs 2+ MPI calls to finish, backward makes one before the next block, so "
-                "it is in flight through it; exposed: the MPI calls (where MPICH copies and adds) and the shard "
-                "adds between layers, and the embeddings' (the last)")
-    common.check_overlap(ck, ranks, run, t.events, expected)
+    common.check_overlap(ck, ranks, run, t.events, "3/4", "a reduce-scatter starts as its block's backward ends",
+                         gpu="block l's reduce-scatter beside block l-1's backward",
+                         exposed="the embeddings' reduce-scatter, the last, with no layer after it")
     run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
     common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": ref, "stage 2": run},
                         common.figure_name(a, ranks, "memory_per_rank"),

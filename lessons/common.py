@@ -252,18 +252,25 @@ def same_bits(ranks, run, other) -> list[bool]:
     return gather(ranks, params_hash(run) == params_hash(other))
 
 
-def check_overlap(ck, ranks, run, events: list, expected: str) -> bool:
+def check_overlap(ck, ranks, run, events: list, share: str, started: str, gpu: str, exposed: str) -> bool:
     """Checkpoint: in the traced step (rank 0's timeline, llmz.trace.overlap) a layer computed during part of
-    the time collectives were in flight: communication hidden behind compute. expected: the share the lesson
-    expects, and why. With one rank nothing is sent, so nothing is ever in flight: trivial."""
+    the time collectives were in flight: communication hidden behind compute. The expected share (CPU ranks) and
+    why, in the lesson's words: `started` says which collective starts before which layer, `gpu` what the comm
+    stream runs beside the compute stream, `exposed` what cannot hide. With one rank nothing is sent, so nothing
+    is ever in flight: trivial."""
     if ranks.world_size == 1:
         return ck.check(True, "overlap: nothing is sent with 1 rank, so no collective is ever in flight",
                         across_ranks=True)
     if ranks.rank != 0:                                 # rank 0 traced the step; its verdict is the check's
         return ck.check(True, "")
     m = overlap(events)
+    why = (f"most of it: the comm stream runs {gpu}; exposed: {exposed}" if run.dev.kind == "gpu" else
+           f"about {share} for thin on 2 idle CPU cores (less on busy ones): {started}, and MPICH needs 2+ MPI "
+           f"calls after the start to finish it, one made before the next layer computes, so it is in flight "
+           f"through that layer; exposed: the MPI calls (where MPICH copies and adds) and other host work "
+           f"between layers, {exposed}")
     return ck.check(m.hidden_ms > 0, f"overlap in the traced step, {run.dev.kind} (rank 0): {m}; expected > 0, "
-                    f"{expected}")
+                    f"{why}")
 
 
 # ---- across ranks -----------------------------------------------------------------------------------------
