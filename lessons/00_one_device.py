@@ -19,13 +19,15 @@ One training step:
 Memory on one device, with Ψ parameters and b bytes per value (b = 4 in fp32; this lesson runs the CPU in
 fp64, b = 8, so that later lessons can compare ranks to the last bit):
     parameters b*Ψ + gradients b*Ψ + AdamW's m and v 2b*Ψ    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
-Each later lesson divides one more of these terms by the number of ranks N.
+Each later lesson divides one more of these terms by the number of ranks N. The words the lessons use (rank,
+Ψ, bucket, shard, micro-step, the collectives, slot, streams and events) are defined in lessons/README.md,
+before lesson 01.
 
 Checkpoints: (1) the kernels' loss equals the float64 reference's, (2) so does every gradient tensor,
 (3) repeated steps on one batch drive its loss down, (4) the bytes held are b*Ψ + b*Ψ + 2b*Ψ.
 
-There is nothing to communicate yet: under mpiexec every rank runs this same lesson on its own device
-(--comm is ignored) and rank 0 prints.
+There is nothing to communicate yet (so no --comm): under mpiexec every rank runs this same lesson on its
+own device and rank 0 prints.
 """
 import sys
 
@@ -111,7 +113,8 @@ def lesson(a, ranks) -> int:
         losses.append(model.mean_loss())
         model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
         norm = z.update(step)              # reduce (one rank: nothing), norm, clip, AdamW; zero the gradients
-        common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
+        if common.shown(a, step):
+            common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
     ck.check(losses[-1] < losses[0], f"loss on one batch falls over {a.steps} steps: {losses[0]:.4f} -> "
              f"{losses[-1]:.4f} (expected: lower at the end)")
 
@@ -126,4 +129,5 @@ def lesson(a, ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=10, sim_steps=3, builds_on=None))
+    sys.exit(common.main(lesson, __doc__, steps=10, sim_steps=3, builds_on=None,
+                         uses=("--kernels", "--attention", "--model", "--print-every")))

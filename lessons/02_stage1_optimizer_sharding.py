@@ -2,8 +2,9 @@
 
 What changes from lesson 01: in stage 0 every rank runs the same AdamW on the same numbers, N times over,
 and keeps N copies of m and v. Stage 1 splits that work. Each bucket of the flat buffer is padded to a
-multiple of N and cut into N slices; rank r owns slice r of every bucket (llmz.layout), and keeps m and v
-for its slices only. The step becomes (stage 1 in llmz.zero.STAGES: grads.py, sharded_adamw.py, params.py):
+multiple of N and cut into N slices; rank r owns slice r of every bucket, its shard (llmz.layout), and
+keeps m and v for its shard only. The step becomes (stage 1 in llmz.zero.STAGES: grads.py,
+sharded_adamw.py, params.py):
     reduce-scatter   each bucket's gradients: rank r receives the average over ranks of ITS slice only
     AdamW            on my slices: the parameters I own move, the others wait for their owners
     all-gather       each bucket's parameters: every rank receives every slice, all ranks equal again

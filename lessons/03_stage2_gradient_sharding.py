@@ -35,6 +35,7 @@ import os
 import sys
 
 from lessons import common
+from llmz.args import LESSON_FLAGS
 from llmz.trace import overlap_us
 
 
@@ -81,10 +82,10 @@ def lesson(a, ranks) -> int:
     run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
     common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": ref, "stage 2": run},
                         common.figure_name(a, ranks, "memory_per_rank"),
-                        f"memory per rank: {a.model}, {N} ranks, {psi:,} parameters ({a.precision})")
+                        f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2, about_ranks=True,
-                         builds_on="02_stage1_optimizer_sharding"))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True,
+                         builds_on="02_stage1_optimizer_sharding", uses=LESSON_FLAGS))

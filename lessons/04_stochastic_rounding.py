@@ -27,7 +27,8 @@ Checkpoints: (1) round-to-nearest loses every add, (2) stochastic rounding is ri
 the n accumulators within 4 standard errors of float64), (3) its spread is the predicted one, (4) fp32 loses
 nothing here, (5) the same seed gives the same bits: a second run and every rank agree bit for bit.
 
-Under mpiexec every rank runs the same experiment on its own device (--comm is ignored) and rank 0 prints.
+Under mpiexec every rank runs the same experiment on its own device (nothing is sent but checkpoint 5's
+hashes, so no --comm) and rank 0 prints. It trains no model: its flags are --device, --steps and --diff.
 """
 import hashlib
 import sys
@@ -130,4 +131,4 @@ def lesson(a, ranks) -> int:
 
 if __name__ == "__main__":
     sys.exit(common.main(lesson, __doc__, steps=10_000, sim_steps=200,
-                         steps_help="K: adds of g into each accumulator", builds_on=None))
+                         steps_help="K: adds of g into each accumulator", builds_on=None, uses=()))

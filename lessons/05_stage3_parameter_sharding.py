@@ -1,11 +1,11 @@
 """Lesson 05 - ZeRO stage 3, parameter sharding: gather each block's parameters just before it runs.
 
 What changes from lesson 03: stage 2 still keeps every parameter (bΨ) on every rank, although each rank
-updates only its slice. Stage 3 keeps only that slice (llmz.zero.params.GatheredParameters) and fetches a block's full
-parameters from the other ranks the moment the model asks for them (`p.bucket(b)` in llmz/model.py, the
-twin of the gradient store's `grads.bucket(b)`):
+updates only its shard. Stage 3 keeps only that shard (llmz.zero.params.GatheredParameters) and fetches a
+block's full parameters from the other ranks the moment the model asks for them (`p.bucket(b)` in
+llmz/model.py, the twin of the gradient store's `grads.bucket(b)`):
   * two parameter slots: before block l's forward its parameters are all-gathered into slot l % 2 (every
-    rank contributes its slice; comm.all_gather(slot, src=my slice)). Backward needs them again, so it
+    rank contributes its shard; comm.all_gather(slot, src=my shard)). Backward needs them again, so it
     gathers them again, in reverse order: 2L block all-gathers a micro-step.
   * prefetch, ordered by events: while block l computes, block l+1's all-gather (in backward: l-1's) already
     runs on the comm stream, into the other slot, once an event recorded on the compute stream says the
@@ -16,7 +16,7 @@ twin of the gradient store's `grads.bucket(b)`):
     first again in backward, back to back, and it is the biggest bucket; in a buffer of its own it costs the
     same memory gathered once as twice. So both are all-gathered once a step, right after AdamW, and kept.
   * gradients: exactly as in lesson 03 (two gradient slots, reduce-scatter + accumulate during backward).
-    AdamW updates my slice of the parameters; there is no all-gather of everything after the step.
+    AdamW updates my shard of the parameters; there is no all-gather of everything after the step.
 
 Memory per rank, Ψ parameters, b bytes per value, N ranks (slot = the largest block):
     parameters bΨ/N + two slots + embeddings + lnf      gradients: the same      m and v 2bΨ/N
@@ -30,19 +30,21 @@ same parameters, bit for bit, (3) parameter bytes per rank = shard + two slots +
 (5) bytes sent per rank per step as the count of (4) and K reduce-scatters predicts, (6) --no-overlap (no
 prefetch) gives the same bits, (7) the timeline PNG: every block's gather but a forward's block 0 began
 before the block ahead of it finished computing.
-Figures in --out: stage3_timeline.png (rank 0's step) and memory_per_rank_stages0-3.png.
+Figures in --out, named by model, ranks N and K: stage3_timeline_thin_2ranks_k2.png (rank 0's step; the .json
+beside it opens in ui.perfetto.dev) and memory_per_rank_stages0-3_thin_2ranks.png (stages 0 to 3 by category).
 """
 import os
 import sys
 
 from lessons import common
+from llmz.args import LESSON_FLAGS
 from llmz.trace import gathers_ahead
 
 
 def lesson(a, ranks) -> int:
     N, K = ranks.world_size, a.grad_accum
     ck = common.Checkpoints(ranks, 7)
-    trace = os.path.join(a.out, "stage3_timeline.json")
+    trace = common.figure_name(a, ranks, "stage3_timeline", ext="json", with_k=True)
     ref = common.make_run(a, ranks, stage=2)                           # lesson 03: the reference
     run = common.make_run(a, ranks, stage=3, trace=trace)              # this lesson
     serial = common.make_run(a, ranks, stage=3, overlap=False)         # the same, no prefetch
@@ -73,7 +75,7 @@ def lesson(a, ranks) -> int:
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = (N-1)/N * {b} * (K(2Ψ_blocks + Ψ) + Ψ_ends) = "
              f"{expect_bytes:,} B: {per_micro:.2f} x (N-1)/N * {b}Ψ per micro-step (about 3: the blocks gathered "
              f"twice, everything reduce-scattered once, the embeddings and lnf gathered once a step; stage 2: "
-             f"(K+1)/K = {(K + 1) / K:.2f}; expected within 0.5%: padding and two scalars)")
+             f"(K+1)/K = {(K + 1) / K:.2f}; expected within 0.5%: padding and two scalars)", across_ranks=True)
     same = common.same_bits(ranks, serial, run)
     ck.check(all(same), f"--no-overlap (every gather waited for at once, none ahead): parameters bit-identical to "
              f"the prefetching run's on {sum(same)} of {common.n_ranks(N)}, expected all")
@@ -89,11 +91,11 @@ def lesson(a, ranks) -> int:
     run0 = common.make_run(a, ranks, stage=0)              # built for their memory reports only
     run1 = common.make_run(a, ranks, stage=1)
     common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": run1, "stage 2": ref, "stage 3": run},
-                        os.path.join(a.out, "memory_per_rank_stages0-3.png"),
-                        f"memory per rank, {N} ranks, {psi:,} parameters ({a.precision})")
+                        common.figure_name(a, ranks, "memory_per_rank_stages0-3"),
+                        f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")
     return ck.exit_code()
 
 
 if __name__ == "__main__":
-    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, grad_accum=2,
-                         builds_on="03_stage2_gradient_sharding"))
+    sys.exit(common.main(lesson, __doc__, steps=5, sim_steps=2, about_ranks=True,
+                         builds_on="03_stage2_gradient_sharding", uses=LESSON_FLAGS))

@@ -22,17 +22,19 @@ import hashlib
 import os
 import socket
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from llmz.args import check_kernels, check_train, parse_lesson
-from llmz.config import TrainConfig
+from llmz.config import TrainConfig, default_print_every
 from llmz.device import resolve
 from llmz.errors import UsageError
 from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
 from llmz.memory import fmt_bytes
+from llmz.runlog import zero_on_one_rank
 from llmz.trace import save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
@@ -47,12 +49,11 @@ LESSONS = Path(__file__).parent
 
 
 # ---- flags ------------------------------------------------------------------------------------------------
-def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = None,
-          steps_help: str = "optimizer steps"):
-    """The lesson's flags (llmz.args.parse_lesson), the device resolved (before numba is imported: `sim`
-    needs that) and the defaults of that device filled in."""
+def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int, steps_help: str, uses: tuple[str, ...]):
+    """The lesson's flags (llmz.args.parse_lesson: --device, --steps, --diff and those it `uses`), the
+    device resolved (before numba is imported: `sim` needs that) and the defaults of that device filled in."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    a = parse_lesson(argv, name, doc, steps, sim_steps, grad_accum, steps_help)
+    a = parse_lesson(argv, name, doc, steps, sim_steps, grad_accum, steps_help, uses)
     if a.diff:
         return a
     try:
@@ -66,21 +67,24 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int | None = N
     a.batch_size = a.batch_size or B
     a.seq_len = a.seq_len or T
     a.steps = a.steps or (sim_steps if a.kind == "sim" else steps)
-    a.grad_accum = getattr(a, "grad_accum", 1)
+    a.print_every = a.print_every or default_print_every(a.steps)
     a.rtol = LOSS_RTOL[a.precision]
     return a
 
 
-def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int | None = None,
-         about_ranks: bool = False, steps_help: str = "optimizer steps", builds_on: str | None = None) -> int:
+def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int = 2,
+         about_ranks: bool = False, steps_help: str = "optimizer steps", builds_on: str | None = None,
+         uses: tuple[str, ...] = ("--comm", "--kernels", "--attention", "--model", "--print-every")) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
     ends every rank (llmz.launch.abort_on_error). The flags are checked on every rank once the ranks are up
     (llmz.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
-    llmz.train. A lesson `about_ranks` (its idea needs N > 1) says so when run alone. builds_on: the lesson
-    whose file --diff compares this one with (None: the first lesson, or an experiment of its own)."""
+    llmz.train. uses: the flags the lesson takes beyond --device, --steps and --diff (llmz.args.LESSON_FLAGS;
+    by default those of a lesson that trains and draws nothing). A lesson `about_ranks` (its idea needs
+    N > 1) says so when run alone. builds_on: the lesson whose file --diff compares this one with (None: the
+    first lesson, or an experiment of its own)."""
     ranks = init_ranks()
     with abort_on_error(ranks):
-        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help))
+        a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help, uses))
         if a.diff:
             say(ranks, lesson_diff(a.lesson, builds_on), end="")
             return 0
@@ -90,6 +94,11 @@ def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_a
                 f"    mpiexec -n 2 python -m lessons.{a.lesson}")
         code = lesson(a, ranks)
     return code
+
+
+def shown(a, step: int) -> bool:
+    """Does step `step` get its line? The first, the last, and every --print-every steps."""
+    return step in (0, a.steps - 1) or step % a.print_every == 0
 
 
 def lesson_diff(name: str, builds_on: str | None) -> str:
@@ -162,9 +171,9 @@ def side_by_side(a, ranks, run, ref, names: tuple[str, str], serial=None, trace:
                  measure=None) -> Steps:
     """Train `run` (this lesson's) beside `ref` (the previous lesson's way, or a one-process reference; None
     on a rank that does not run it) and `serial` (run's serialised twin, for the same bits) for a.steps
-    steps, one line a step; names: how the lines call run and ref. measure: (label, fn): fn(run) before and
-    after each step of run, its growth recorded (an int: the difference; a list: what was appended).
-    trace: rank 0 records the timeline of run's second step there."""
+    steps, a line a step (every --print-every steps: `shown`); names: how the lines call run and ref.
+    measure: (label, fn): fn(run) before and after each step of run, its growth recorded (an int: the
+    difference; a list: what was appended). trace: rank 0 records the timeline of run's second step there."""
     out = Steps()
     traced = min(1, a.steps - 1)
     for step in range(a.steps):
@@ -187,6 +196,8 @@ def side_by_side(a, ranks, run, ref, names: tuple[str, str], serial=None, trace:
         out.calls.append(run.comm.calls.copy())
         if recording:
             out.events = run.tracer.stop(trace)["traceEvents"]
+        if not shown(a, step):
+            continue
         line = f"step {step}: {names[0]} loss {out.losses[-1]:.10f}"
         if ref:
             line += f" | {names[1]} loss {out.ref_losses[-1]:.10f}"
@@ -294,15 +305,24 @@ class Checkpoints:
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
-def plot_memory(reports: dict[str, dict], path: str, title: str) -> None:
+def one_rank_note(stages) -> str:
+    """The words under the memory chart of a one-rank run (whose ZeRO `stages` are drawn), where the later
+    stages hold more than stage 0, not less."""
+    three = "; stage 3 the same again for the parameters" if 3 in stages else ""
+    return ("1 rank: every shard is the whole buffer, so no stage divides anything. Stage 2 adds two gradient "
+            f"slots and the embedding and lnf gradients beside its whole gradient shard{three}. Run it under "
+            "mpiexec -n 2 to see the bars shrink.")
+
+
+def plot_memory(reports: dict[str, dict], path: str, title: str, note: str | None = None) -> None:
     """Stacked bars of the bytes one rank holds, by category, one bar per stage (measured: llmz.memory)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_png(memory_figure(reports, title), path)
+    save_png(memory_figure(reports, title, note), path)
 
 
-def memory_figure(reports: dict[str, dict], title: str):
-    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack.
-    (matplotlib, heavy to import, only for the lessons that draw.)"""
+def memory_figure(reports: dict[str, dict], title: str, note: str | None = None):
+    """plot_memory's figure: each bar's total above it, the legend beside the bars in the order of the stack,
+    `note` under the bars. (matplotlib, heavy to import, only for the lessons that draw.)"""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -310,7 +330,7 @@ def memory_figure(reports: dict[str, dict], title: str):
     names = list(reports)
     top = max(sum(r["measured"][c] for c in cats) for r in reports.values())
     unit, scale = ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6 if note else 4))
     bottom = np.zeros(len(names))
     for c in cats:
         v = np.array([reports[n]["measured"][c] for n in names]) / scale
@@ -321,16 +341,28 @@ def memory_figure(reports: dict[str, dict], title: str):
     ax.set_ylim(0, 1.1 * bottom.max())
     ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=9)
+    if note:
+        ax.set_xlabel(textwrap.fill(note, 95), fontsize=8, loc="left", labelpad=8)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
 
 
 def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:
-    """Rank 0 draws plot_memory's chart of these runs' memory reports ({label: run}) into path."""
-    if ranks.rank == 0:
-        plot_memory({label: run.memory for label, run in runs.items()}, path, title)
-        say(ranks, f"wrote {path}")
+    """Rank 0 draws plot_memory's chart of these runs' memory reports ({label: run}) into path. With one rank
+    it says, on the chart and in a line per stage (llmz.runlog.zero_on_one_rank), why the later stages hold
+    more than stage 0."""
+    if ranks.rank != 0:
+        return
+    note = None
+    if ranks.world_size == 1:
+        note = one_rank_note([run.cfg.zero_stage for run in runs.values()])
+        for run in runs.values():
+            line = zero_on_one_rank(run.layout, run.cfg.zero_stage, run.precision.value_bytes)
+            if line:
+                say(ranks, line)
+    plot_memory({label: run.memory for label, run in runs.items()}, path, title, note)
+    say(ranks, f"wrote {path}")
 
 
 def figure_name(a, ranks, what: str, ext: str = "png", with_k: bool = False) -> str:

@@ -227,7 +227,7 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
 def check_train_numbers(cfg: TrainConfig) -> None:
     """Every number finite and in its range; eps and lr within what the precision can hold."""
     positive(cfg, "batch_size", "seq_len", "grad_accum", "steps", "val_batches", "max_seq_len", "vocab_size",
-             "max_loss")
+             "max_loss", "print_every")
     non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
                  "keep", "lr", "weight_decay", "grad_clip")
     need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
@@ -292,7 +292,7 @@ def check_train_model(cfg: TrainConfig, kind: str):
     if not resume and not cfg.init_from:
         if cfg.vocab_size is not None and cfg.vocab_size < tok.vocab_size:
             fail(f"--vocab-size {cfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens")
-        model = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size or tok.vocab_size,
+        model = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size, tokens=tok.vocab_size,
                        max_seq_len=cfg.max_seq_len or 1024)
     if model.vocab_size < tok.vocab_size:
         fail(f"the tokenizer ({cfg.tokenizer}) has {tok.vocab_size} tokens, the model only "
@@ -383,41 +383,59 @@ def check_bench(args) -> None:
 
 
 # ---- the lessons: python -m lessons.NN_name ------------------------------------------------------------
-def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_accum: int | None = None,
-                 steps_help: str = "optimizer steps") -> argparse.Namespace:
-    """A lesson's flags, checked (one line for a bad one, as for every command): the device, its kernels, the
-    model and batch, its own --steps, and --grad-accum for a lesson that has it. Defaults the lesson fills in
-    for the device are None here. The device is not resolved yet: the lesson does that (lessons.common)."""
+# the flags a lesson may take beyond --device, --steps and --diff, which every lesson takes; each lesson names
+# those it uses (lessons.common.main), so its --help lists nothing it ignores
+LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every")
+# the settings of a flag a lesson does not take (the library's defaults: what the lesson runs with)
+LESSON_DEFAULTS = {"comm": "auto", "kernels": "auto", "attention": "auto", "model": None, "batch_size": None,
+                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None}
+
+
+def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_accum: int = 2,
+                 steps_help: str = "optimizer steps", uses: tuple[str, ...] = LESSON_FLAGS) -> argparse.Namespace:
+    """A lesson's flags, checked (one line for a bad one, as for every command): the device, its own --steps,
+    --diff, and those of LESSON_FLAGS it `uses` (--model brings -b and -t; --grad-accum defaults to
+    `grad_accum`). Defaults the lesson fills in for the device are None here. The device is not resolved
+    yet: the lesson does that (lessons.common)."""
+    unknown = set(uses) - set(LESSON_FLAGS)
+    assert not unknown, f"lesson flags {unknown} are not among {LESSON_FLAGS}"
     p = Parser(prog=f"python -m lessons.{name}", description=doc.split("\n\n")[0],
                epilog=f"N ranks: mpiexec -n N python -m lessons.{name}. lessons/README.md says what "
                "each checkpoint measures.")
-    p.add_argument("--device", choices=KINDS, default="auto",
-                   help="default auto: gpu where CuPy sees one, else cpu (NumPy, fp64); sim: the CUDA "
-                   "simulator")
-    p.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
-                   help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
-    p.add_argument("--kernels", choices=KERNEL_SETS, default="auto",
-                   help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, "
-                   "llmz/kernels/, elsewhere)")
-    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="as in llmz.train (default auto: on a GPU flash in bf16, gemm in fp32; direct "
-                   "elsewhere; flash: FlashAttention-2)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
-    p.add_argument("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
-    p.add_argument("--batch-size", "-b", type=int, default=None,
-                   help="B per rank (default 2; 4 on gpu, 1 on sim)")
-    p.add_argument("--seq-len", "-t", type=int, default=None,
-                   help="T, also the model's max_seq_len (default 32; 4 on sim)")
-    if grad_accum is not None:
-        p.add_argument("--grad-accum", type=int, default=grad_accum,
-                       help=f"K micro-steps per step (default {grad_accum})")
-    p.add_argument("--out", default="lessons_out",
-                   help="where figures go, named by model, ranks and K (default lessons_out)")
-    p.add_argument("--diff", action="store_true",
-                   help="print what this lesson changed from the one it builds on (a unified diff) and exit")
-    a = p.parse_args(argv)
-    a.lesson = name
-    positive(a, "steps", "batch_size", "seq_len", "grad_accum")
-    check_preset(a)
-    return a
+    p.set_defaults(**LESSON_DEFAULTS)
+    a = p.add_argument
+    a("--device", choices=KINDS, default="auto",
+      help="gpu, cpu (NumPy, fp64), sim (the kernels in Numba's CUDA simulator), or auto: gpu where CuPy sees "
+      "one, else cpu")
+    if "--comm" in uses:
+        a("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+          help="as in llmz.train (default auto: NCCL with a GPU per rank, else MPI)")
+    if "--kernels" in uses:
+        a("--kernels", choices=KERNEL_SETS, default="auto",
+          help="as in llmz.train (default auto: fast, llmz/fast/, on a GPU; teaching, llmz/kernels/, elsewhere)")
+    if "--attention" in uses:
+        a("--attention", choices=ATTENTIONS, default="auto",
+          help="as in llmz.train (default auto: on a GPU flash in bf16, gemm in fp32; direct elsewhere; "
+          "flash: FlashAttention-2)")
+    a("--steps", type=int, default=None, help=f"{steps_help} (default {steps}; {sim_steps} on sim)")
+    if "--model" in uses:
+        a("--model", default=None, help="a preset of llmz.config (default thin; tiny on sim)")
+        a("--batch-size", "-b", type=int, default=None, help="B per rank (default 2; 4 on gpu, 1 on sim)")
+        a("--seq-len", "-t", type=int, default=None,
+          help="T, also the model's max_seq_len (default 32; 4 on sim)")
+    if "--grad-accum" in uses:
+        a("--grad-accum", type=int, default=grad_accum, help=f"K micro-steps per step (default {grad_accum})")
+    if "--print-every" in uses:
+        a("--print-every", type=int, default=None, metavar="N",
+          help="a line every N steps, and at the first and the last; 1 = every step (default: as in "
+          "llmz.train, about 25 lines: every step up to 35 steps)")
+    if "--out" in uses:
+        a("--out", default="lessons_out",
+          help="where figures go, named by model, ranks and K (default lessons_out)")
+    a("--diff", action="store_true",
+      help="print what this lesson changed from the one it builds on (a unified diff) and exit")
+    args = p.parse_args(argv)
+    args.lesson = name
+    positive(args, "steps", "batch_size", "seq_len", "grad_accum", "print_every")
+    check_preset(args)
+    return args

@@ -1,19 +1,11 @@
 """python -m llmz.bench: time llmz's training step, kernel by kernel, and beside PyTorch.
 
-Trains `--model` (d12 = GPT-2 124M) on random tokens through llmz.trainer.Trainer (the same step that
-`python -m llmz.train` runs: CUDA graphs, ZeRO stage, everything) for a few warm-up and then timed steps,
-and prints ms per step, tokens/s, MFU and the GPU memory held.
-  --per-kernel  one more step, eager, with CUDA events around every kernel and cuBLAS call: a table of
-                each kernel's time per step, its share, and the TFLOP/s or GB/s it reached against the
-                card's ceilings (bytes = the arrays a kernel touches, each counted once)
-  --vs-torch [eager|compile|both]
-                a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer (llmz.torch_ref: SDPA,
-                fused AdamW, autocast bf16), eager (the default) or torch.compile'd, timed in the same process
-                after llmz; prints its ms, tokens/s, peak memory (allocated and reserved) and the ratio
-  --layer NAME  instead of a step, one layer's teaching and fast versions side by side at the model's sizes
-                (llm.c's dev/cuda role: llmz.bench_layers): error against the NumPy reference, us per call,
-                GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, gelu, residual, classifier,
-                adamw, norm, accumulate, a comma-separated list, or all
+Trains `--model` on random tokens through llmz.trainer.Trainer (the same step that `python -m llmz.train`
+runs: CUDA graphs, ZeRO stage, everything) for a few warm-up and then timed steps, and prints ms per step,
+tokens/s, MFU and the GPU memory held. With no flags: on a GPU, GPT-2 124M (d12) at B=16, T=1024, as llm.c
+benchmarks it; on a CPU, the model of llmz.train's default run (small) at its B=16, T=64, about 10 s on 2
+cores. `--per-kernel` adds a table of every kernel's time, `--vs-torch` the same step in PyTorch, `--layer`
+times one layer instead of the step (`--help` says each).
 """
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ import numpy as np
 
 from . import torch_ref
 from .args import Parser, check_bench, check_kernels, check_train
-from .config import TrainConfig, preset
+from .config import TrainConfig, describe_presets, preset
 from .data import write_tokens
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .launch import abort_on_error, init_ranks
@@ -41,36 +33,67 @@ CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
             "H100": {"GB/s": 3350.0, "fp32": 494.7, "bf16": 989.4}}
 
 
+# What runs when a flag is not given, by device: (model, B, T, warm-up steps, timed steps). On a GPU GPT-2 124M
+# as llm.c benchmarks it; on a CPU the model of llmz.train's default run at its B and T; in the simulator,
+# which runs every CUDA thread as a Python thread (seconds a step even for tiny), tiny on a few positions.
+DEFAULTS = {"gpu": ("d12", 16, 1024, 3, 10), "cpu": ("small", 16, 64, 3, 10), "sim": ("tiny", 1, 4, 1, 2)}
+LAYER_B = 4             # --layer: B at most 4 (d48's layers fit one GPU)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m llmz.bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m llmz.bench", description=__doc__.split("\n\n")[1].replace("\n", " "))
     a = p.add_argument
-    a("--device", choices=KINDS, default="auto")
-    a("--model", default="d12", help="a preset of llmz.config: d12 (GPT-2 124M, the default), d24 (350M), d36 "
-      "(774M), d48 (1.56B; -b 8 fits an H200 in bf16), or tiny, small, thin, d2, d4, d6")
-    a("--vocab-size", type=int, default=50257)
-    a("-b", "--batch-size", type=int, default=None, help="B (default 16; 4 with --layer)")
-    a("-t", "--seq-len", type=int, default=1024)
-    a("--precision", choices=tuple(PRECISIONS), default="fp32")
+    a("--device", choices=KINDS, default="auto", help="gpu (CuPy and the Numba kernels), cpu (the NumPy "
+      "references), sim (the kernels in Numba's CUDA simulator: slow) or auto: gpu where CuPy sees one, else cpu")
+    a("--model", default=None, help=f"a preset, the same model as in llmz.train (parameters at maxT 1024): "
+      f"{describe_presets()} (default: d12 on gpu, GPT-2 124M; small on cpu, the default training run's; tiny "
+      "on sim)")
+    a("--vocab-size", type=int, default=None, help="V, the range of the random tokens (default: the preset's, "
+      "256 or GPT-2's 50257 as --model says)")
+    a("-b", "--batch-size", type=int, default=None, help=f"B (default: 16 on gpu and cpu, 1 on sim; at most "
+      f"{LAYER_B} with --layer)")
+    a("-t", "--seq-len", type=int, default=None, help="T (default: 1024 on gpu, 64 on cpu, 4 on sim)")
+    a("--precision", choices=tuple(PRECISIONS), default="fp32", help="as in llmz.train: fp32, bf16 (bf16 "
+      "values, fp32 master weights and optimizer state) or fp64 (cpu and sim only)")
     a("--kernels", choices=KERNEL_SETS, default="auto", help="as in llmz.train: fast (GPU default) or teaching")
     a("--matmul", choices=MATMULS, default="auto", help="as in llmz.train: cublas or numba (the tiled kernel)")
     a("--attention", choices=ATTENTIONS, default="auto", help="as in llmz.train: flash, gemm or direct "
       "(default auto: on a GPU flash in bf16, gemm in fp32)")
-    a("--no-tf32", action="store_true")
-    a("--no-cuda-graph", action="store_true")
+    a("--no-tf32", action="store_true", help="as in llmz.train: cuBLAS fp32 products in full fp32, not TF32")
+    a("--no-cuda-graph", action="store_true", help="as in llmz.train: launch every kernel from Python each step "
+      "instead of replaying the step as a CUDA graph")
     a("--recompute", "-r", type=int, choices=(0, 1, 2), default=0, help="as in llmz.train: 1 recomputes GELU "
       "in backward, 2 also the layernorms (less activation memory, the same numbers)")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
-    a("--warmup", type=int, default=3)
-    a("--steps", type=int, default=10)
-    a("--per-kernel", action="store_true", help="a table of every kernel's time per step")
+    a("--warmup", type=int, default=None, help="untimed steps first: compilation, CUDA graph capture, caches "
+      "(default: 3; 1 on sim)")
+    a("--steps", type=int, default=None, help="timed steps; the median is printed (default: 10; 2 on sim)")
+    a("--per-kernel", action="store_true", help="one more step, eager, with CUDA events around every kernel and "
+      "cuBLAS call: each kernel's time per step, its share, and the TFLOP/s or GB/s it reached against the "
+      "card's ceilings (GPU only)")
     a("--vs-torch", nargs="?", const="eager", default=None, choices=("eager", "compile", "both"),
-      help="time PyTorch on the same shapes, eager (the default), torch.compile'd, or both, and print the ratio")
+      help="after llmz, a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer "
+      "(llmz.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
+      "ms, tokens/s, peak memory and the ratio (default: not run)")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
-    a("--layer", default=None, metavar="NAME", help="one layer's teaching and fast versions (see above)")
+    a("--layer", default=None, metavar="NAME", help="instead of the step, one layer's teaching and fast "
+      "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench_layers): error against "
+      "the NumPy reference, us per call, GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, "
+      "gelu, residual, classifier, adamw, norm, accumulate, a comma-separated list, or all (default: the step)")
     a("--reps", type=int, default=20, help="--layer: timed calls per version and pass")
     return p
+
+
+def fill_defaults(args, kind: str) -> None:
+    """The flags not given, filled in for the device (DEFAULTS)."""
+    model, B, T, warmup, steps = DEFAULTS[kind]
+    args.model = args.model or model
+    args.batch_size = args.batch_size or (min(B, LAYER_B) if args.layer else B)
+    args.seq_len = args.seq_len or T
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.steps = args.steps or steps
 
 
 def make_run(args, kind: str, data_path: str, stage: int):
@@ -165,9 +188,10 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     paths = (f"{dev.kernel_set} kernels, matmul {dev.matmul}"
              f"{' (TF32)' if dev.matmul == 'cublas' and dev.tf32 and args.precision == 'fp32' else ''}, "
              f"attention {dev.attention}" if dev.kind != "cpu" else "the NumPy references")
-    print(f"bench: {dev.kind} {gpu_name(dev)} {args.precision}, {paths}, CUDA graphs "
+    print(f"bench: {' '.join(filter(None, (dev.kind, gpu_name(dev), args.precision)))}, {paths}, CUDA graphs "
           f"{'on' if run.graphs.enabled else 'off'}, ZeRO stage {stage}; model {args.model} "
-          f"({cfg.num_parameters():,} parameters), B={B} T={T}")
+          f"(L={cfg.num_layers} C={cfg.channels} V={cfg.vocab_size}: {cfg.num_parameters():,} parameters), "
+          f"B={B} T={T}")
     for i in range(args.warmup):
         run.step(i)
     dev.synchronize()
@@ -213,10 +237,10 @@ def main(argv=None) -> int:
 def bench(args) -> int:
     kind = resolve(args.device)
     check_kernels(args, kind)
+    fill_defaults(args, kind)
     if args.layer:
         from . import bench_layers  # it imports the kernels, so numba: after the device is resolved
         return bench_layers.main(args, kind)
-    args.batch_size = args.batch_size or 16
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
     rows = []

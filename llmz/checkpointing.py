@@ -60,7 +60,7 @@ def start(cfg: TrainConfig, kind: str, tok, world_size: int,
         layout = Layout(config, world_size)
         params = layout.from_llmc(llmc, np.float64)
     else:
-        config = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size or tok.vocab_size,
+        config = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size, tokens=tok.vocab_size,
                         max_seq_len=cfg.max_seq_len or 1024)
         layout = Layout(config, world_size)
         params = init_parameters(layout, cfg.seed)

@@ -2,6 +2,7 @@
 how to train it (TrainConfig), the run configuration `python -m llmz.train` maps its flags onto."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -40,34 +41,70 @@ class GPT2Config:
         return asdict(self)
 
 
-# name -> (num_layers, num_heads, channels). dN follows llm.c's depth naming: d12 is GPT-2 124M.
+# name -> (num_layers, num_heads, channels, vocab_size): one model per name, in every command. dN follows
+# llm.c's depth naming with GPT-2's vocabulary (d12 is GPT-2 124M, as llm.c's `-e d12`); tiny, small and thin
+# are byte-level, the vocabulary of llmz's default tokenizer. A run whose tokenizer has more tokens widens V
+# to the tokenizer's (model_vocab); --vocab-size sets it outright.
+GPT2_VOCAB, BYTE_VOCAB = 50257, 256
 PRESETS = {
-    "tiny": (2, 2, 16),
-    "small": (4, 4, 128),       # the laptop default: trains on the shipped data in minutes on 2 cores
-    "thin": (8, 2, 32),         # deep and narrow (the lessons): ZeRO-2's per-block gradient buckets pay off
-    "d2": (2, 2, 128),
-    "d4": (4, 4, 256),
-    "d6": (6, 6, 384),
-    "d12": (12, 12, 768),
-    "d24": (24, 16, 1024),
-    "d36": (36, 20, 1280),
-    "d48": (48, 25, 1600),
+    "tiny": (2, 2, 16, BYTE_VOCAB),
+    "small": (4, 4, 128, BYTE_VOCAB),   # the laptop default: trains on the shipped data in minutes on 2 cores
+    "thin": (8, 2, 32, BYTE_VOCAB),     # deep and narrow (the lessons): ZeRO-2's per-block gradient buckets pay off
+    "d2": (2, 2, 128, GPT2_VOCAB),
+    "d4": (4, 4, 256, GPT2_VOCAB),
+    "d6": (6, 6, 384, GPT2_VOCAB),
+    "d12": (12, 12, 768, GPT2_VOCAB),
+    "d24": (24, 16, 1024, GPT2_VOCAB),
+    "d36": (36, 20, 1280, GPT2_VOCAB),
+    "d48": (48, 25, 1600, GPT2_VOCAB),
 }
 
 
-def preset(name: str, vocab_size: int = 50257, max_seq_len: int = 1024,
-           padded_vocab_size: int | None = None) -> GPT2Config:
+def model_vocab(name: str, vocab_size: int | None = None, tokens: int = 0) -> int:
+    """V of preset `name` in a run: vocab_size (--vocab-size) where given, else the preset's own, widened to
+    `tokens` (the tokenizer's) where the tokenizer has more."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-    L, NH, C = PRESETS[name]
-    Vp = padded_vocab_size or padded_vocab(vocab_size)
-    return GPT2Config(max_seq_len=max_seq_len, vocab_size=vocab_size, padded_vocab_size=Vp,
+    return vocab_size or max(PRESETS[name][3], tokens)
+
+
+def preset(name: str, vocab_size: int | None = None, max_seq_len: int = 1024,
+           padded_vocab_size: int | None = None, tokens: int = 0) -> GPT2Config:
+    """Preset `name` as a GPT2Config; V as model_vocab says (the preset's own unless vocab_size or a
+    tokenizer of `tokens` tokens widens it)."""
+    V = model_vocab(name, vocab_size, tokens)
+    L, NH, C, _ = PRESETS[name]
+    Vp = padded_vocab_size or padded_vocab(V)
+    return GPT2Config(max_seq_len=max_seq_len, vocab_size=V, padded_vocab_size=Vp,
                       num_layers=L, num_heads=NH, channels=C)
+
+
+def describe_presets() -> str:
+    """Every preset with its shape and parameter count at maxT 1024, for --help:
+    'tiny (L=2 C=16 V=256: 41K), ...'."""
+    return ", ".join(f"{name} (L={L} C={C} V={V}: {fmt_count(preset(name).num_parameters())})"
+                     for name, (L, NH, C, V) in PRESETS.items())
+
+
+def fmt_count(n: int) -> str:
+    """957,184 -> '957K', 124,475,904 -> '124M', 1,557,686,400 -> '1.56B' (three significant digits)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def default_model(kind: str) -> str:
     """The preset a run trains when none is named: d6 on a GPU, `small` on a laptop's CPU."""
     return "d6" if kind == "gpu" else "small"
+
+
+def default_print_every(steps: int) -> int:
+    """The interval between progress lines when --print-every is not given: about 25 lines a run, at a round
+    step count (1, 2 or 5 x 10^k, the one nearest steps / 25): 50 for 1500 steps, 100 for 2000, 1 up to 35."""
+    target = max(steps, 1) / 25
+    nice = [m * 10**k for k in range(len(str(max(steps, 1)))) for m in (1, 2, 5)]
+    return min(nice, key=lambda n: abs(math.log(n / target)))
 
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -129,6 +166,7 @@ class TrainConfig:
     keep: int = 0
     resume: str | None = None           # a step folder, or 'latest'
     quiet: bool = False
+    print_every: int | None = None      # a progress line every N steps (None: default_print_every(steps))
     resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's or the log's
     collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.watchdog)
 
@@ -140,7 +178,10 @@ class TrainConfig:
                     "steps": 2000 if gpu else 1500}
         if self.init_from is None and self.resume is None:      # resuming: the checkpoint says which model
             defaults["model"] = default_model(kind)
-        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        filled = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        if filled.print_every is None:
+            filled = replace(filled, print_every=default_print_every(filled.steps))
+        return filled
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -4,6 +4,7 @@
     {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from"}
     {"step", "val_loss"}                                 every --val-every steps and at the last
     {"step", "loss", "lr", "grad_norm", "ms", "tokens_per_s", "elapsed_s", "eta_s"[, "mfu"]}    every step
+                                                         (stdout: a line every --print-every steps)
     {"event": "checkpoint", "step", "path"}
     {"event": "stopped", "step", "reason"}               a non-finite or diverged run, before it ends
     {"event": "end", "first_loss", "final_loss", "val_losses", "mean_ms", "tokens_per_s", "elapsed_s"}
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from . import threads
 from .files import JsonLog
-from .memory import table
+from .memory import fmt_bytes, table
 from .progress import Progress, fmt_duration
 
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
@@ -33,6 +34,28 @@ def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | Non
         return None
     flops = 6 * config.num_parameters() + 6 * config.num_layers * config.channels * T
     return tokens_per_s * flops / (peak.get(precision, peak["fp32"]) * 1e12)
+
+
+def zero_on_one_rank(layout, stage: int, value_bytes: int) -> str | None:
+    """What ZeRO `stage` (1-3) costs and saves on one rank, in one line; None for stage 0 or several ranks.
+    With one rank every shard is the whole buffer, so nothing is divided; stage 2 keeps two block slots and
+    the embedding and final-layernorm gradients beside its (whole) gradient shard, stage 3 the same again for
+    the parameters (llmz.memory's formula)."""
+    if stage == 0 or layout.world_size > 1:
+        return None
+    b = value_bytes
+    slots = 2 * b * max(bk.padded_size for bk in layout.buckets[1:-1])
+    ends = b * (layout.embeddings.padded_size + layout.lnf.padded_size)
+    if stage == 1:
+        return ("note: ZeRO stage 1 on one rank shards nothing (1 rank: the optimizer state's one shard is all "
+                "of it): the same memory as stage 0; under mpiexec -n N, m and v divide by N")
+    shards, twice, ends_are = (("gradient shard is the whole buffer", "", "gradients") if stage == 2 else
+                               ("parameter and gradient shards are the whole buffers",
+                                ", for the parameters and again for the gradients,", "buffers"))
+    return (f"note: ZeRO stage {stage} on one rank shards nothing (1 rank: the {shards}): it adds{twice} two "
+            f"block slots ({fmt_bytes(slots)}) and the embedding and final-layernorm {ends_are} "
+            f"({fmt_bytes(ends)}): {fmt_bytes((slots + ends) * (stage - 1))} more than stage 0; under mpiexec -n "
+            f"N the shards divide by N and these stay")
 
 
 class RunLog:
@@ -65,7 +88,8 @@ class RunLog:
         self.say(f"batch: B={cfg.batch_size} T={cfg.seq_len} K={cfg.grad_accum} x {ranks.world_size} ranks = "
                  f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
         self.say(table(run.memory))
-        for note in notes + run.notes:
+        one_rank = zero_on_one_rank(run.layout, cfg.zero_stage, run.precision.value_bytes)
+        for note in notes + run.notes + ([one_rank] if one_rank else []):
             self.say(note)
         start = run.start_step
         if start >= cfg.steps:
@@ -88,8 +112,9 @@ class RunLog:
     def sample(self, text: str) -> None:
         self.say("---\n" + text + "\n---")
 
-    def step(self, step: int, out: dict, seconds: float) -> None:
-        """A training step's record and line: out is Trainer.step's (loss, grad_norm), seconds its time."""
+    def step(self, step: int, out: dict, seconds: float, show: bool = True) -> None:
+        """A training step's record, and its line where `show` (llmz.trainer.train: every --print-every steps
+        and more) and not --quiet: out is Trainer.step's (loss, grad_norm), seconds its time."""
         run, cfg = self.run, self.cfg
         self.step_times.append(seconds)
         self.progress.tick()
@@ -103,7 +128,7 @@ class RunLog:
         if util is not None:
             rec["mfu"] = util
         self.write(rec)
-        if not cfg.quiet:
+        if show and not cfg.quiet:
             self.say(f"step {step:5d}/{cfg.steps} | loss {loss:.4f} | lr {rec['lr']:.2e} | norm {norm:.3f}"
                      f" | {seconds * 1e3:8.1f} ms | {tps:9.0f} tok/s"
                      + (f" | MFU {util * 100:.1f}%" if util else "") + f" | {self.progress.line()}")

@@ -148,7 +148,7 @@ def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmz.torch_ref", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="d12")
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--vocab-size", type=int, default=None, help="V (default: the preset's, as in llmz.bench)")
     p.add_argument("-b", "--batch-size", type=int, default=4)
     p.add_argument("-t", "--seq-len", type=int, default=1024)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from .args import TRACE_STAGES, Parser, check_train, flag
-from .config import PRESETS, TrainConfig
+from .config import TrainConfig, describe_presets
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
 from .launch import abort_on_error, agree, init_ranks, start_failed
@@ -61,14 +61,15 @@ def device_flags(a) -> None:
 
 def model_and_data_flags(a) -> None:
     """The model and the data it trains on."""
-    a("--model", help=f"preset: {', '.join(PRESETS)} (default: small on cpu, d6 on gpu; "
-      "the file's model with --init-from or --resume)")
+    a("--model", help=f"a preset, the same model in every llmz command (layers, width, vocabulary; "
+      f"parameters at maxT 1024): {describe_presets()} (default: small on cpu, d6 on gpu; the file's model "
+      "with --init-from or --resume)")
     a("--init-from", metavar="FILE.bin", help="start from an llm.c model file (default: a "
       "freshly initialised --model)")
     a("--max-seq-len", type=int, help="model's maxT for a preset (default: 1024)")
-    a("--vocab-size", type=int, help="model's V for a preset (default: the tokenizer's; "
-      "50257 gives GPT-2's shapes with any token file, and samples are then drawn among the tokenizer's "
-      "tokens only)")
+    a("--vocab-size", type=int, help="model's V for a preset (default: the preset's, 256 or GPT-2's 50257 as "
+      "--model says, or the tokenizer's where it has more tokens; a V above the tokenizer's trains with any "
+      "token file, and samples are then drawn among the tokenizer's tokens only)")
     a("--seed", type=int, help="initialisation, data order with --shuffle, sampling, bf16 "
       "rounding (0 .. 2^32-1)")
     a("--train-data", metavar="GLOB",
@@ -124,6 +125,10 @@ def output_flags(a) -> None:
       "--checkpoint-dir; none there: start afresh). --steps still counts from the start of training; "
       "another world size or ZeRO stage re-shards the optimizer state (default: start afresh)")
     a("--quiet", action="store_true", help="no per-step lines")
+    a("--print-every", type=int, metavar="N", help="a progress line every N steps, and at the first and the "
+      "last step and every step that validates, samples or checkpoints; 1 = every step; --log records every "
+      "step whatever N is (default: about 25 lines a run, the round number nearest --steps / 25: 50 for the "
+      "default cpu run's 1500 steps, 100 for the gpu's 2000)")
     a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is "
       "of another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
     a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "

@@ -222,20 +222,25 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
         for step in range(start, cfg.steps):
             run.comm.watch.step = step                  # for the collective watchdog's lines
             last = step == cfg.steps - 1
-            if run.val_loader and (last or every(cfg.val_every, step)):
+            validate = run.val_loader is not None and (last or every(cfg.val_every, step))
+            sample = cfg.sample_tokens > 0 and step > 0 and every(cfg.sample_every, step)
+            # a checkpoint after this step: every N steps and after the last (only good steps get there)
+            checkpoint = bool(cfg.checkpoint_dir) and (last or every(cfg.checkpoint_every, step + 1))
+            if validate:
                 loss = run.val_loss(cfg.val_batches)
                 log.val(step, loss)
                 if not math.isfinite(loss):
                     stop(f"step {step}: non-finite validation loss {loss}")
-            if cfg.sample_tokens and step > 0 and every(cfg.sample_every, step):
+            if sample:
                 log.sample(run.sampler.text(run.zero.pviews))
             out, seconds = run.timed_step(step, trace=cfg.trace if step == traced else None)
             why = run.guards.diverged(step, out["loss"], out["grad_norm"])
             if why:
                 stop(why)
-            log.step(step, out, seconds)
-            # a checkpoint after this step: every N steps and after the last (only good steps get here)
-            if cfg.checkpoint_dir and (last or every(cfg.checkpoint_every, step + 1)):
+            # its line: the first and the last, every --print-every, and beside a validation, sample, checkpoint
+            log.step(step, out, seconds, show=step in (start, cfg.steps - 1) or every(cfg.print_every, step)
+                     or validate or sample or checkpoint)
+            if checkpoint:
                 log.checkpoint(step, run.checkpoints.save(cfg.checkpoint_dir, step + 1))
         step = max(cfg.steps, start)
         summary = log.summary()

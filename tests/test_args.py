@@ -41,7 +41,7 @@ def test_the_flags_map_one_to_one_onto_the_run_configuration():
     assert TrainConfig(**vars(build_parser().parse_args([]))) == TrainConfig()
     cfg, _ = parse("--zero-stage", 2, "--lr", 3e-3, "--precision", "bf16")
     assert cfg == TrainConfig(device="cpu", model="tiny", batch_size=2, seq_len=8, steps=2, val_batches=1,
-                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16")
+                              sample_tokens=4, quiet=True, zero_stage=2, lr=3e-3, precision="bf16", print_every=1)
 
 
 @pytest.mark.parametrize("kind, want", [("cpu", ("small", 16, 64, 1500)), ("gpu", ("d6", 32, 256, 2000))])
@@ -52,6 +52,38 @@ def test_a_configuration_gets_its_devices_defaults_and_keeps_what_it_says(kind, 
     given = TrainConfig(model="tiny", batch_size=0, seq_len=3, steps=0).for_device(kind)
     assert (given.model, given.batch_size, given.seq_len, given.steps) == ("tiny", 0, 3, 0)   # 0 is refused later
     assert TrainConfig(resume="latest").for_device(kind).model is None       # the checkpoint says which model
+
+
+@pytest.mark.parametrize("steps, every", [(1, 1), (35, 1), (36, 2), (100, 5), (1500, 50), (2000, 100), (10**5, 5000)])
+def test_the_default_progress_interval_prints_about_25_lines_at_round_steps(steps, every):
+    from llmz.config import TrainConfig, default_print_every
+    assert default_print_every(steps) == every
+    assert TrainConfig(steps=steps).for_device("cpu").print_every == every
+    assert TrainConfig(steps=steps, print_every=7).for_device("cpu").print_every == 7     # what it says, kept
+    assert 16 <= -(-steps // every) <= 40 or steps <= 35
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_preset_name_is_one_model_in_train_bench_and_the_library(name):
+    """--model NAME: the model llmz.train builds with its default (byte) tokenizer is the one llmz.bench times
+    and preset(NAME) gives: the vocabulary belongs to the preset (256 for the byte-level presets, GPT-2's for dN)."""
+    from llmz.args import check_train_model
+    from llmz.bench import build_parser
+    from llmz.config import TrainConfig
+    trained = check_train_model(TrainConfig(model=name).for_device("cpu"), "cpu")[2]
+    args = build_parser().parse_args(["--model", name])
+    assert trained == preset(name) == preset(args.model, vocab_size=args.vocab_size)
+    assert trained.vocab_size == (50257 if name.startswith("d") else 256)
+    # a tokenizer with more tokens widens V to its own; --vocab-size sets it
+    assert preset(name, tokens=300).vocab_size == max(300, trained.vocab_size)
+    assert preset(name, vocab_size=1000, tokens=300).vocab_size == 1000
+
+
+def test_the_presets_parameters_in_help_are_the_models():
+    from llmz.config import describe_presets
+    assert "small (L=4 C=128 V=256: 957K)" in describe_presets()
+    assert "d12 (L=12 C=768 V=50257: 124M)" in describe_presets()
+    assert preset("small").num_parameters() == 957_184 and preset("d12").num_parameters() == 124_475_904
 
 
 def refused(*argv, match: str = "", base=BASE) -> str:
@@ -189,19 +221,23 @@ def help_entries(module: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("module", ["llmz.train", "llmz.sample"])
+@pytest.mark.parametrize("module", ["llmz.train", "llmz.sample", "llmz.bench", "lessons.00_one_device",
+                                    "lessons.04_stochastic_rounding", "lessons.05_stage3_parameter_sharding"])
 def test_every_flag_has_a_help_line_that_says_its_default_once(module):
     entries = help_entries(module)
-    parser = __import__(module, fromlist=["build_parser"]).build_parser()
-    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
-    assert flags <= set(entries), flags - set(entries)
+    if module.startswith("llmz."):          # (a lesson's parser is llmz.args.parse_lesson's, with the flags it uses)
+        parser = __import__(module, fromlist=["build_parser"]).build_parser()
+        flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+        assert flags <= set(entries), flags - set(entries)
     for f, text in entries.items():
         if f == "--help":
             continue
         assert text, f"{f} has no help"
         assert text.count("(default") == 1 or f == "--init-from" and "(required)" in text, f"{f}: {text}"
         assert "(default: None)" not in text, f"{f}: {text}"
-    assert all(name in entries["--model"] for name in PRESETS) if module == "llmz.train" else True
+    if module in ("llmz.train", "llmz.bench"):            # every preset named, with its parameters
+        assert all(f"{name} (L=" in entries["--model"] for name in PRESETS), entries["--model"]
+    assert not any("see above" in text for text in entries.values())
 
 
 # ---- the fuzz ---------------------------------------------------------------------------------------------------

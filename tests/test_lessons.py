@@ -20,8 +20,12 @@ LESSONS = {"00_one_device": 4, "01_stage0_data_parallel": 4, "02_stage1_optimize
            "05_stage3_parameter_sharding": 7}
 
 
+DRAWS = ("03_stage2_gradient_sharding", "05_stage3_parameter_sharding")      # the lessons that take --out
+
+
 def run_lesson(name: str, out, env: dict | None = None):
-    return run_mpi(2, ["-m", f"lessons.{name}", "--device", "cpu", "--out", str(out)], timeout=120, env=env)
+    figures = ["--out", str(out)] if name in DRAWS else []
+    return run_mpi(2, ["-m", f"lessons.{name}", "--device", "cpu", *figures], timeout=120, env=env)
 
 
 def checkpoints(stdout: str) -> list[tuple[int, int, str, str]]:
@@ -44,7 +48,7 @@ def test_lesson_on_two_ranks_passes_every_checkpoint(name, tmp_path):
         for png in ("stage2_timeline_thin_2ranks_k2.png", "memory_per_rank_thin_2ranks.png"):
             assert (tmp_path / png).stat().st_size > 10_000, png
     if name.startswith("05"):
-        for png in ("stage3_timeline.png", "memory_per_rank_stages0-3.png"):
+        for png in ("stage3_timeline_thin_2ranks_k2.png", "memory_per_rank_stages0-3_thin_2ranks.png"):
             assert (tmp_path / png).stat().st_size > 10_000, png
 
 
@@ -117,6 +121,57 @@ def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints
     assert "4 of 4 checkpoints passed (3 of them trivially" in p.stdout
 
 
+def test_lesson_05_alone_says_it_means_mpiexec_marks_its_trivial_checkpoints_and_says_why_stages_grow(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "lessons.05_stage3_parameter_sharding", "--device", "cpu", "--steps",
+                        "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=False,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "mpiexec -n 2 python -m lessons.05_stage3_parameter_sharding" in p.stdout.split("CHECKPOINT")[0]
+    cps = checkpoints(p.stdout)
+    trivial = [i for i, _, text, _ in cps if text.endswith("[trivial with 1 rank]")]
+    assert trivial == [2, 5], p.stdout                # identical parameters across ranks, bytes sent
+    # one rank: the memory chart's stages 2 and 3 stand above stage 0, and a line per stage says why
+    for stage in (2, 3):
+        assert f"note: ZeRO stage {stage} on one rank shards nothing" in p.stdout, p.stdout
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == ["memory_per_rank_stages0-3_thin_1ranks.png", "stage3_timeline_thin_1ranks_k2.json",
+                     "stage3_timeline_thin_1ranks_k2.png"], names
+
+
+def test_print_every_keeps_the_first_the_last_and_every_nth_step_line():
+    p = subprocess.run([sys.executable, "-m", "lessons.01_stage0_data_parallel", "--device", "cpu", "--steps", "12",
+                        "--print-every", "5"], cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.findall(r"^step (\d+):", p.stdout, re.MULTILINE) == ["0", "5", "10", "11"], p.stdout
+    assert "over 12 steps" in p.stdout                  # the checkpoints still compare every step
+
+
+LESSON_HELP = {"00_one_device": ["--device", "--kernels", "--attention", "--steps", "--model", "--batch-size",
+                                 "--seq-len", "--print-every", "--diff"],
+               "04_stochastic_rounding": ["--device", "--steps", "--diff"],
+               "05_stage3_parameter_sharding": ["--device", "--comm", "--kernels", "--attention", "--steps",
+                                                "--model", "--batch-size", "--seq-len", "--grad-accum",
+                                                "--print-every", "--out", "--diff"]}
+
+
+@pytest.mark.parametrize("name", LESSON_HELP)
+def test_a_lessons_help_lists_only_the_flags_it_uses(name):
+    p = subprocess.run([sys.executable, "-m", f"lessons.{name}", "--help"], cwd=REPO, capture_output=True, text=True,
+                       check=True, timeout=60)
+    listed = re.findall(r"^  (?:-\w, )?(--[a-z-]+)", p.stdout, re.MULTILINE)
+    assert listed == ["--help"] + LESSON_HELP[name], listed
+    taken = re.findall(r"\[(--[a-z-]+)", p.stdout.split("\n\n")[0])      # the usage line
+    assert taken == LESSON_HELP[name], taken
+
+
+def test_lessons_readme_defines_its_words_before_lesson_01():
+    text = (REPO / "lessons" / "README.md").read_text()
+    words = text.index("## Words the lessons use")
+    for term in ("**rank**", "**Ψ**", "**bucket**", "**shard**", "**micro-step**", "**all-reduce**",
+                 "**reduce-scatter**", "**all-gather**", "**slot**", "**compute stream, comm stream**", "**event**"):
+        assert words < text.index(term) < text.index("| `01_stage0_data_parallel` |"), term
+
+
 def test_figure_names_carry_model_ranks_and_k():
     from lessons import common
     a = SimpleNamespace(out="o", model="thin", grad_accum=3)
@@ -140,3 +195,20 @@ def test_memory_chart_legend_covers_no_bar():
     assert len(bars) == 12 and not any(legend.overlaps(b) for b in bars)
     totals = [t.get_text() for t in ax.texts]
     assert totals == ["6.29 MiB", "5.44 MiB", "4.96 MiB"], totals
+
+
+def test_a_one_rank_memory_chart_says_under_its_bars_why_stage_2_holds_more():
+    from lessons import common
+    cats = ("parameters", "gradients", "optimizer_state", "activations")
+    reports = {f"stage {s}": {"measured": dict(zip(cats, sizes))}
+               for s, sizes in enumerate([(9e5, 9e5, 1.8e6, 3e6), (9e5, 9e5, 1.8e6, 3e6), (9e5, 1.2e6, 1.8e6, 3e6)])}
+    fig = common.memory_figure(reports, "title", common.one_rank_note([0, 1, 2]))
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    note = ax.xaxis.label
+    assert "every shard is the whole buffer" in note.get_text() and "stage 3" not in note.get_text()
+    assert "stage 3 the same again" in common.one_rank_note([0, 1, 2, 3])
+    inside = fig.bbox
+    assert inside.x0 <= note.get_window_extent().x0 and note.get_window_extent().x1 <= inside.x1   # not cut off
+    assert not ax.get_legend().get_window_extent().overlaps(note.get_window_extent())

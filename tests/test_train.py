@@ -1,6 +1,7 @@
 """python -m llmz.train end to end on cpu: gradient accumulation equals a bigger batch, a tiny model overfits
 one batch, the files it writes load back, and every bad input is one line and a non-zero exit."""
 import json
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,42 @@ def test_log_and_model_file_round_trip_through_sample(tmp_path):
     assert s.stdout.startswith("ROMEO:")
 
 
+def test_print_every_shows_every_nth_step_the_first_the_last_and_each_validated_one_and_logs_them_all(tmp_path):
+    log = tmp_path / "run.jsonl"
+    base = ["-b", 2, "-t", 8, "--steps", 12, "--val-every", 7, "--val-batches", 1, "--log", log]
+    p = subprocess.run([sys.executable, "-m", "llmz.train", *[x for x in TINY if x != "--quiet"],
+                        *map(str, base), "--print-every", "5"], cwd=REPO, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert p.returncode == 0, p.stderr
+    shown = [int(m) for m in re.findall(r"^step +(\d+)/12 \|", p.stdout, re.MULTILINE)]
+    assert shown == [0, 5, 7, 10, 11], p.stdout          # every 5th, the first, the last, and step 7's validation
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(12))   # the log keeps one record per step, all its fields
+    assert all({"step", "loss", "lr", "grad_norm", "ms", "tokens_per_s", "elapsed_s", "eta_s"} <= set(r)
+               for r in steps)
+    assert logged[0]["args"]["print_every"] == 5
+    q = train(*base[:-2], "--print-every", 5)              # --quiet (in TINY) still prints no step line
+    assert q.returncode == 0 and not re.search(r"^step +\d+/", q.stdout, re.MULTILINE), q.stdout
+
+
+def test_a_zero_stage_on_one_rank_says_in_one_line_what_it_costs_there():
+    from llmz.config import preset
+    from llmz.layout import Layout
+    from llmz.memory import fmt_bytes, predicted
+    from llmz.runlog import zero_on_one_rank
+    lay = Layout(preset("small"), 1)
+    total = {s: sum(predicted(lay, s, 16, 64, 4).values()) for s in range(4)}
+    assert zero_on_one_rank(lay, 0, 4) is None and zero_on_one_rank(Layout(preset("small"), 2), 2, 4) is None
+    assert "the same memory as stage 0" in zero_on_one_rank(lay, 1, 4) and total[1] == total[0]
+    for stage in (2, 3):             # the bytes the line names are those llmz.memory's formula adds to stage 0's
+        assert f"{fmt_bytes(total[stage] - total[0])} more than stage 0" in zero_on_one_rank(lay, stage, 4)
+    p = train("-b", 2, "-t", 8, "--steps", 1, "--zero-stage", 2)
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stdout.splitlines() if line.startswith("note: ZeRO stage 2 on one rank")]
+    assert len(notes) == 1 and "two block slots" in notes[0], p.stdout
+
+
 def bad_files(tmp_path):
     good = tmp_path / "good.bin"
     write_tokens(str(good), np.arange(100) % 256)
@@ -97,6 +134,16 @@ def test_bad_input_is_one_line_error_and_nonzero_exit(tmp_path, case):
         assert "bin" in err[0]                                    # names the file
     if case == "cublas_on_cpu":
         assert "--matmul cublas" in err[0]
+
+
+def test_bench_with_no_flags_on_a_cpu_times_the_default_training_runs_model():
+    """The defaults that fit a laptop (a GPU's, GPT-2 124M at B=16 T=1024, would need ~28 GiB here); only the step
+    counts are cut, to keep the test short."""
+    p = subprocess.run([sys.executable, "-m", "llmz.bench", "--device", "cpu", "--steps", "1", "--warmup", "0"],
+                       cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "model small (L=4 C=128 V=256: 957,184 parameters), B=16 T=64" in p.stdout, p.stdout
+    assert "training step" in p.stdout
 
 
 def test_bench_prints_ms_and_tokens_per_second_on_cpu():

@@ -129,10 +129,12 @@ if [[ $what == resume || $what == all ]]; then
   $py tools/compare_logs.py "$OUT/straight.jsonl" "$OUT/resumed.jsonl" --tol 0
   rm -rf "$OUT"/ck_straight "$OUT"/ck_resumed
 fi
+# --out for the lessons that draw figures (03, 05): the others take no such flag
+figures() { [[ $1 == 0[35]_* ]] && echo "--out $2"; }
 if [[ $what == lessons || $what == all ]]; then
   for l in 00_one_device 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding 04_stochastic_rounding; do
-    [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu --out "$OUT/lessons1" 2>&1 | grep -E "CHECKPOINT|rror"
-    [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi --out "$OUT/lessons2" 2>&1 | grep -E "CHECKPOINT|rror"
+    [[ $l == 0[034]_* ]] && run timeout 120 $py -m lessons.$l --device gpu $(figures $l "$OUT/lessons1") 2>&1 | grep -E "CHECKPOINT|rror"
+    [[ $l == 0[123]_* ]] && run timeout 150 $MPIEXEC -n 2 $py -m lessons.$l --device gpu --comm mpi $(figures $l "$OUT/lessons2") 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi
 if [[ $what == multi ]]; then
@@ -147,6 +149,6 @@ if [[ $what == multi ]]; then
   run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --trace "$OUT/multi_trace.json" --log "$OUT/multi_overlap.jsonl" 2>&1 | tail -1
   run timeout 300 $MPIEXEC -n $N $py -m llmz.train $F -b $B --zero-stage 2 --comm nccl --steps 3 --no-overlap --log "$OUT/multi_serial.jsonl" 2>&1 | tail -1
   for l in 01_stage0_data_parallel 02_stage1_optimizer_sharding 03_stage2_gradient_sharding; do
-    run timeout 150 $MPIEXEC -n $N $py -m lessons.$l --device gpu --comm nccl --out "$OUT/lessons_multi" 2>&1 | grep -E "CHECKPOINT|rror"
+    run timeout 150 $MPIEXEC -n $N $py -m lessons.$l --device gpu --comm nccl $(figures $l "$OUT/lessons_multi") 2>&1 | grep -E "CHECKPOINT|rror"
   done
 fi
