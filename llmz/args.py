@@ -208,6 +208,7 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
         check_train_numbers(cfg)
         check_train_device(cfg, kind)
         start, resume, model = check_train_model(cfg, kind)
+        check_flash_head_size(cfg, kind, model)
         batches_in(cfg.train_data, "train_data", cfg.batch_size, cfg.seq_len, world_size)
         if cfg.val_data:
             batches_in(cfg.val_data, "val_data", cfg.batch_size, cfg.seq_len, world_size)
@@ -260,6 +261,20 @@ def check_train_device(cfg: TrainConfig, kind: str) -> None:
         fail("--checkpoint-every and --keep need --checkpoint-dir")
     if cfg.resume == "latest" and not cfg.checkpoint_dir:
         fail("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
+
+
+def check_flash_head_size(cfg: TrainConfig, kind: str, model) -> None:
+    """--attention flash on a GPU or the simulator: the kernels hold a head of at most HS_MAX channels in
+    shared memory (llmz.kernels.flash_attention; the fast set's tensor-core kernels take head size 64 only and
+    leave the others to those). A larger head is refused here, not at the first forward."""
+    if kind == "cpu" or kernel_paths(kind, cfg.kernels, cfg.matmul, cfg.attention, cfg.precision)[2] != "flash":
+        return
+    # numba loads here: the device is resolved (llmz.device.resolve)
+    from .kernels.flash_attention import HS_MAX
+    hs = model.channels // model.num_heads
+    if hs > HS_MAX:
+        fail(f"--attention flash: head size {hs} (C={model.channels} / NH={model.num_heads}) is beyond the flash "
+             f"kernels (at most {HS_MAX}); use --attention " + ("gemm" if kind == "gpu" else "direct"))
 
 
 def check_train_model(cfg: TrainConfig, kind: str):
