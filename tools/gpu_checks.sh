@@ -169,7 +169,7 @@ if [[ $what == verify ]]; then
     tests/test_flash_attention.py tests/test_recompute.py tests/test_bf16_train.py 2>&1 | tee "$OUT/verify_tests.txt" \
     | grep -E "worst|passed|failed|FAILED|ERROR" | head -40
   run timeout 60 $py tools/graph_probe.py --all --fixed-only --timeout 20 2>&1 | tail -4
-  B=(--device gpu --model d12 -b 16 -t 1024 --precision bf16 --steps 30 --val-every 0 --val-data "" --sample-tokens 0 --quiet)
+  B=(--device gpu --model d12 --vocab-size 50257 -b 16 -t 1024 --precision bf16 --steps 30 --val-every 0 --val-data "" --sample-tokens 0 --quiet)
   [[ -d .carry/base ]] && run timeout 200 $py tools/ab_step_time.py .carry/base . --rounds 2 -- "${B[@]}" 2>&1 | tail -3
   run timeout 60 $py -m llmz.bench --precision bf16 2>&1 | grep -v Warn | tail -4
 fi
