@@ -165,12 +165,12 @@ def batches_in(pattern: str, name: str, B: int, T: int, world_size: int) -> int:
     return n
 
 
-def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int) -> None:
+def check_host_memory(layout, stage: int, B: int, T: int, value_bytes: int, recompute: int = 0) -> None:
     """cpu and sim: the bytes a rank will hold (llmz.memory's formula, plus the float64 copy the parameters
     start from and the float32 values of a model file) must fit in the memory available; refused in one line
     otherwise, before allocating."""
     c = layout.config
-    fits_in_memory(sum(predicted(layout, stage, B, T, value_bytes).values()) + 12 * layout.total,
+    fits_in_memory(sum(predicted(layout, stage, B, T, value_bytes, recompute=recompute).values()) + 12 * layout.total,
                    f"this configuration does not fit in memory: L={c.num_layers} C={c.channels} V={c.vocab_size} "
                    f"maxT={c.max_seq_len} at B={B} T={T}", " per rank; lower -b, -t, --max-seq-len or the model")
 
@@ -208,12 +208,13 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
         check_train_numbers(cfg)
         check_train_device(cfg, kind)
         start, resume, model = check_train_model(cfg, kind)
+        check_flash_head_size(cfg, kind, model)
         batches_in(cfg.train_data, "train_data", cfg.batch_size, cfg.seq_len, world_size)
         if cfg.val_data:
             batches_in(cfg.val_data, "val_data", cfg.batch_size, cfg.seq_len, world_size)
         if kind != "gpu":                   # the GPU's: llmz.guards.check_fits (llmz.guards.check_fits)
             check_host_memory(Layout(model, world_size), cfg.zero_stage, cfg.batch_size, cfg.seq_len,
-                              PRECISIONS[cfg.precision].value_bytes)
+                              PRECISIONS[cfg.precision].value_bytes, cfg.recompute)
         check_checkpoint_dir(cfg, start, resume)
         # outputs last: their folders are created once everything else is known to be good
         check_outputs({"--save": cfg.save, "--log": cfg.log, "--trace": cfg.trace},
@@ -234,6 +235,7 @@ def check_train_numbers(cfg: TrainConfig) -> None:
     positive(cfg, "collective_timeout")
     need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
+    need(cfg, ["recompute"], lambda v: v in (0, 1, 2), "0, 1 or 2")
     check_seed(cfg)
     check_preset(cfg)
     # the parameters move in the optimizer's dtype (bf16: the fp32 master)
@@ -259,6 +261,20 @@ def check_train_device(cfg: TrainConfig, kind: str) -> None:
         fail("--checkpoint-every and --keep need --checkpoint-dir")
     if cfg.resume == "latest" and not cfg.checkpoint_dir:
         fail("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
+
+
+def check_flash_head_size(cfg: TrainConfig, kind: str, model) -> None:
+    """--attention flash on a GPU or the simulator: the kernels hold a head of at most HS_MAX channels in
+    shared memory (llmz.kernels.flash_attention; the fast set's tensor-core kernels take head size 64 only and
+    leave the others to those). A larger head is refused here, not at the first forward."""
+    if kind == "cpu" or kernel_paths(kind, cfg.kernels, cfg.matmul, cfg.attention, cfg.precision)[2] != "flash":
+        return
+    # numba loads here: the device is resolved (llmz.device.resolve)
+    from .kernels.flash_attention import HS_MAX
+    hs = model.channels // model.num_heads
+    if hs > HS_MAX:
+        fail(f"--attention flash: head size {hs} (C={model.channels} / NH={model.num_heads}) is beyond the flash "
+             f"kernels (at most {HS_MAX}); use --attention " + ("gemm" if kind == "gpu" else "direct"))
 
 
 def check_train_model(cfg: TrainConfig, kind: str):

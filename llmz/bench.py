@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", action="store_true", help="as in llmz.train: cuBLAS fp32 products in full fp32, not TF32")
     a("--no-cuda-graph", action="store_true", help="as in llmz.train: launch every kernel from Python each step "
       "instead of replaying the step as a CUDA graph")
+    a("--recompute", "-r", type=int, choices=(0, 1, 2), default=0, help="as in llmz.train: 1 recomputes GELU "
+      "in backward, 2 also the layernorms (less activation memory, the same numbers)")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=None, help="untimed steps first: compilation, CUDA graph capture, caches "
@@ -100,7 +102,7 @@ def make_run(args, kind: str, data_path: str, stage: int):
     cfg = TrainConfig(device=kind, precision=args.precision, kernels=args.kernels, matmul=args.matmul,
                       attention=args.attention, no_tf32=args.no_tf32, no_cuda_graph=args.no_cuda_graph,
                       zero_stage=stage, model=args.model, vocab_size=args.vocab_size, train_data=data_path,
-                      val_data="", batch_size=args.batch_size, seq_len=args.seq_len,
+                      recompute=args.recompute, val_data="", batch_size=args.batch_size, seq_len=args.seq_len,
                       steps=args.warmup + args.steps + 1, lr=3e-4, warmup_steps=0, quiet=True)
     cfg = cfg.for_device(kind)
     check_train(cfg, kind)
@@ -205,12 +207,14 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
            "graphs": run.graphs.enabled, "gib": None}
     print(f"  training step {ms:9.2f} ms (median of {args.steps}) {tps:12,.0f} tokens/s"
           + (f"   MFU {util * 100:.1f}%" if util is not None else "") + f"   loss {out['loss']:.4f}")
+    held = ""
     if dev.kind == "gpu":
         pool = dev.xp.get_default_memory_pool()
         free, total = dev.xp.cuda.runtime.memGetInfo()
         row["gib"] = pool.total_bytes() / 2**30
-        print(f"  GPU memory: CuPy pool {row['gib']:.2f} GiB; in use on the card "
-              f"{(total - free) / 2**30:.2f} GiB")
+        held = f"; CuPy pool {row['gib']:.2f} GiB; in use on the card {(total - free) / 2**30:.2f} GiB"
+    print(f"  memory, --recompute {args.recompute}: predicted {run.memory['predicted_total'] / 2**30:.2f} GiB "
+          f"(llmz.memory){held}")
     if args.per_kernel:
         print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
               else "per kernel: needs a GPU (CUDA events)")

@@ -13,7 +13,8 @@ master + m + v = 12Ψ at stage 0 and 12Ψ/N at stages 1-3: the ZeRO paper's 2Ψ 
 (2Ψ + 2Ψ + 12Ψ)/N + slots + embeddings at stage 3 (fp32: (4Ψ + 4Ψ + 8Ψ)/N + the same). A slot holds the
 largest block bucket; at stage 3 the parameter slots are filled by all-gathers, the gradient slots emptied by
 reduce-scatters (llmz.zero.params). Layernorm statistics and the losses stay fp32 in every precision.
-The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
+Activations are the same at every stage (activation_elements); --recompute (llm.c's -r) keeps fewer of them
+per layer and computes those again in backward. The measured side sums the sizes of the buffers actually allocated (llmz.zero records each one), and on
 the GPU also reads the memory CuPy's pool holds.
 """
 from __future__ import annotations
@@ -24,23 +25,28 @@ from .layout import Layout
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
 
 
-def activation_elements(c: GPT2Config, B: int, T: int, flash: bool = False) -> tuple[int, int]:
+def activation_elements(c: GPT2Config, B: int, T: int, flash: bool = False, recompute: int = 0) -> tuple[int, int]:
     """Elements of llmz.model.Activations: (values, statistics). Values, in the run's precision: per layer
     18C + NH*T per position (att), plus the rest; statistics (layernorm mean and rstd, losses), fp32 or
     wider: 4 per layer per position, plus 3. Flash attention keeps no T x T buffer (no att, preatt, dpreatt,
-    datt) and instead a statistic per layer, head and position (the softmax's logsumexp)."""
+    datt) and instead a statistic per layer, head and position (the softmax's logsumexp). recompute (llm.c's
+    -r) keeps fewer values per layer: 1 no fch_gelu (4C), 2 no ln1 and ln2 either (2C), and adds one shared
+    4C buffer they are recomputed into."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
     square = 0 if flash else NH * T             # att per layer; preatt, dpreatt, datt in the scratch
-    per_layer = 18 * C + square
+    kept = 18 * C - (4 * C if recompute >= 1 else 0) - (2 * C if recompute >= 2 else 0)
+    per_layer = kept + square
     outside = C + C + Vp                        # encoded, lnf, logits (dlogits in place; no probs: fused classifier)
     scratch = 13 * C + 3 * square               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
+    scratch += 4 * C if recompute >= 1 else 0   # recomputed: fch_gelu (and ln1, ln2) of one layer at a time
     stats = 4 * L + 3 + (L * NH if flash else 0)
     return B * T * (L * per_layer + outside + scratch), B * T * stats
 
 
-def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int, flash: bool = False) -> dict[str, int]:
+def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int, flash: bool = False,
+              recompute: int = 0) -> dict[str, int]:
     """The formula, with Ψ = the real parameter count (no padding). value_bytes 2 is bf16: the optimizer
-    state is then 4-byte master, m and v. flash: --attention flash's activations."""
+    state is then 4-byte master, m and v. flash: --attention flash's activations; recompute: --recompute's."""
     psi, N, b = layout.num_parameters, layout.world_size, value_bytes
     opt = 12 * psi if b == 2 else 2 * b * psi
     out = {"parameters": b * psi, "optimizer_state": opt if stage == 0 else opt // N}
@@ -50,7 +56,7 @@ def predicted(layout: Layout, stage: int, B: int, T: int, value_bytes: int, flas
     out["gradients"] = b * psi if stage < 2 else sharded
     if stage == 3:
         out["parameters"] = sharded
-    values, stats = activation_elements(layout.config, B, T, flash)
+    values, stats = activation_elements(layout.config, B, T, flash, recompute)
     out["activations"] = b * values + max(b, 4) * stats
     out["communication_buffers"] = 0
     return out
@@ -72,10 +78,10 @@ def device_used_bytes(dev) -> int | None:
 
 
 def report(layout: Layout, stage: int, B: int, T: int, value_bytes: int, stage_obj, model, dev,
-           flash: bool = False) -> dict:
-    pred = predicted(layout, stage, B, T, value_bytes, flash)
+           flash: bool = False, recompute: int = 0) -> dict:
+    pred = predicted(layout, stage, B, T, value_bytes, flash, recompute)
     meas = measured(stage_obj, model)
-    rep = {"stage": stage, "world_size": layout.world_size, "value_bytes": value_bytes,
+    rep = {"stage": stage, "world_size": layout.world_size, "value_bytes": value_bytes, "recompute": recompute,
            "predicted": pred, "measured": meas,
            "predicted_total": sum(pred.values()), "measured_total": sum(meas.values())}
     used = device_used_bytes(dev)
@@ -93,7 +99,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def table(rep: dict) -> str:
-    lines = [f"memory per rank (ZeRO stage {rep['stage']}, {rep['world_size']} ranks)",
+    again = {0: "", 1: ", --recompute 1: GELU recomputed", 2: ", --recompute 2: GELU and layernorms recomputed"}
+    lines = [f"memory per rank (ZeRO stage {rep['stage']}, {rep['world_size']} ranks{again[rep['recompute']]})",
              f"  {'category':<22}{'predicted':>14}{'measured':>14}"]
     for k in CATEGORIES:
         lines.append(f"  {k:<22}{fmt_bytes(rep['predicted'][k]):>14}{fmt_bytes(rep['measured'][k]):>14}")

@@ -44,19 +44,33 @@ class FullGrads:
         pass
 
 
-class Activations:
-    """Every activation backward needs (llm.c's ActivationTensors), plus backward's scratch buffers."""
+RECOMPUTE = (0, 1, 2)     # llm.c's -r: 0 keep everything, 1 recompute GELU, 2 also the two layernorms a block
 
-    def __init__(self, config: GPT2Config, dev, B: int, T: int):
+
+class Activations:
+    """Every activation backward needs (llm.c's ActivationTensors), plus backward's scratch buffers.
+
+    recompute (llm.c's -r) trades memory for a little time: what is recomputed is not kept per layer but
+    written, in forward and again in backward just before the op that reads it, into one (B, T, 4C) buffer
+    shared by every layer (`recomputed`): 1: fch_gelu = gelu(fch); 2: also ln1 and ln2, from the block's
+    input and residual2 with the mean and rstd kept per layer (the first B*T*C values of the buffer). The same
+    kernel on the same inputs: the same bits as keeping them. ln1_of, ln2_of and fch_gelu_of say where a
+    layer's values are."""
+
+    def __init__(self, config: GPT2Config, dev, B: int, T: int, recompute: int = 0):
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute}: must be 0, 1 or 2")
         c = config
         L, C, NH, Vp = c.num_layers, c.channels, c.num_heads, c.padded_vocab_size
         z = dev.zeros
+        self.recompute = recompute
 
         def zs(shape):
             """layernorm statistics and the losses: fp32 when the values are bf16, else the values' dtype"""
             return dev.zeros(shape, dev.precision.stats)
         self.encoded = z((B, T, C))             # wte[token] + wpe[t]
-        self.ln1 = z((L, B, T, C))
+        if recompute < 2:
+            self.ln1 = z((L, B, T, C))
         self.ln1_mean = zs((L, B, T))
         self.ln1_rstd = zs((L, B, T))
         self.qkv = z((L, B, T, 3 * C))
@@ -68,11 +82,15 @@ class Activations:
             self.att = z((L, B, NH, T, T))      # softmax of preatt, causal; zero above the diagonal from here on
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
-        self.ln2 = z((L, B, T, C))
+        if recompute < 2:
+            self.ln2 = z((L, B, T, C))
         self.ln2_mean = zs((L, B, T))
         self.ln2_rstd = zs((L, B, T))
         self.fch = z((L, B, T, 4 * C))
-        self.fch_gelu = z((L, B, T, 4 * C))
+        if recompute < 1:
+            self.fch_gelu = z((L, B, T, 4 * C))
+        else:
+            self.recomputed = z((B, T, 4 * C))  # fch_gelu (and ln1, ln2) of the layer being computed
         self.fcproj = z((L, B, T, C))
         self.residual3 = z((L, B, T, C))        # block output = residual2 + MLP branch
         self.lnf = z((B, T, C))
@@ -91,19 +109,36 @@ class Activations:
             self.datt = z((B, NH, T, T))
             self.preatt = z((B, NH, T, T))      # scaled q.k: forward scratch (backward needs only att)
 
+    def ln1_of(self, layer: int):
+        """Block `layer`'s ln1 output (B, T, C): kept per layer, or at recompute 2 in the shared buffer."""
+        return self.ln1[layer] if self.recompute < 2 else self.recomputed_btc()
+
+    def ln2_of(self, layer: int):
+        return self.ln2[layer] if self.recompute < 2 else self.recomputed_btc()
+
+    def fch_gelu_of(self, layer: int):
+        """Block `layer`'s GELU output (B, T, 4C): kept per layer, or at recompute 1 and 2 the shared buffer."""
+        return self.fch_gelu[layer] if self.recompute < 1 else self.recomputed
+
+    def recomputed_btc(self):
+        """The shared buffer's first B*T*C values as (B, T, C): a view, no copy."""
+        B, T, C4 = self.recomputed.shape
+        return self.recomputed.reshape(-1)[:B * T * C4 // 4].reshape(B, T, C4 // 4)
+
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values())
+        return sum(a.nbytes for a in vars(self).values() if hasattr(a, "shape"))
 
 
 class GPT2:
     """Forward and backward for a fixed (B, T) on one device."""
 
-    def __init__(self, config: GPT2Config, dev, B: int, T: int):
+    def __init__(self, config: GPT2Config, dev, B: int, T: int, recompute: int = 0):
         if T > config.max_seq_len:
             raise ValueError(f"seq-len {T} > max_seq_len {config.max_seq_len} of the model")
         self.config, self.dev, self.B, self.T = config, dev, B, T
         self.layout = None
-        self.acts = Activations(config, dev, B, T)
+        self.recompute = recompute              # llm.c's -r (Activations says what each level recomputes)
+        self.acts = Activations(config, dev, B, T, recompute)
         # the layer functions: the op set the device runs (llmz.device.op_set: the NumPy references, the
         # teaching kernels or the fast ones); the same names and arguments in all three
         self.ops = dev.ops
@@ -124,9 +159,9 @@ class GPT2:
             w = p.bucket(1 + layer)
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # attention branch: x + attproj(attention(qkv(ln1(x))))
-            k.layernorm_forward(dev, a.ln1[layer], a.ln1_mean[layer], a.ln1_rstd[layer], residual,
+            k.layernorm_forward(dev, a.ln1_of(layer), a.ln1_mean[layer], a.ln1_rstd[layer], residual,
                                 w["ln1w"], w["ln1b"])
-            k.matmul_forward(dev, a.qkv[layer], a.ln1[layer], w["qkvw"], w["qkvb"])
+            k.matmul_forward(dev, a.qkv[layer], a.ln1_of(layer), w["qkvw"], w["qkvb"])
             if dev.attention == "flash":
                 k.flash_attention_forward(dev, a.atty[layer], a.lse[layer], a.qkv[layer], c.num_heads)
             else:
@@ -135,11 +170,11 @@ class GPT2:
             k.matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             k.residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
             # MLP branch: x + fcproj(gelu(fc(ln2(x))))
-            k.layernorm_forward(dev, a.ln2[layer], a.ln2_mean[layer], a.ln2_rstd[layer], a.residual2[layer],
+            k.layernorm_forward(dev, a.ln2_of(layer), a.ln2_mean[layer], a.ln2_rstd[layer], a.residual2[layer],
                                 w["ln2w"], w["ln2b"])
-            k.matmul_forward(dev, a.fch[layer], a.ln2[layer], w["fcw"], w["fcb"])
-            k.gelu_forward(dev, a.fch_gelu[layer], a.fch[layer])
-            k.matmul_forward(dev, a.fcproj[layer], a.fch_gelu[layer], w["fcprojw"], w["fcprojb"])
+            k.matmul_forward(dev, a.fch[layer], a.ln2_of(layer), w["fcw"], w["fcb"])
+            k.gelu_forward(dev, a.fch_gelu_of(layer), a.fch[layer])
+            k.matmul_forward(dev, a.fcproj[layer], a.fch_gelu_of(layer), w["fcprojw"], w["fcprojb"])
             k.residual_forward(dev, a.residual3[layer], a.residual2[layer], a.fcproj[layer])
         lnf = p.bucket(L + 1)
         k.layernorm_forward(dev, a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], lnf["lnfw"], lnf["lnfb"])
@@ -175,10 +210,16 @@ class GPT2:
             residual = a.encoded if layer == 0 else a.residual3[layer - 1]
             # dresidual holds d(residual3). A residual add passes its gradient through unchanged to both
             # inputs, so the MLP branch reads dresidual and the layernorm below adds into it.
-            k.matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu[layer],
+            # --recompute: what was not kept is computed again, as forward did, just before it is read
+            if self.recompute >= 1:
+                k.gelu_forward(dev, a.fch_gelu_of(layer), a.fch[layer])
+            k.matmul_backward(dev, a.dfch_gelu, g["fcprojw"], g["fcprojb"], a.dresidual, a.fch_gelu_of(layer),
                               w["fcprojw"], dinp_accumulate=False)
             k.gelu_backward(dev, a.dfch, a.fch[layer], a.dfch_gelu, accumulate=False)
-            k.matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2[layer], w["fcw"],
+            if self.recompute >= 2:
+                k.layernorm_forward(dev, a.ln2_of(layer), a.ln2_mean[layer], a.ln2_rstd[layer],
+                                    a.residual2[layer], w["ln2w"], w["ln2b"])
+            k.matmul_backward(dev, a.dbtc, g["fcw"], g["fcb"], a.dfch, a.ln2_of(layer), w["fcw"],
                               dinp_accumulate=False)
             k.layernorm_backward(dev, a.dresidual, g["ln2w"], g["ln2b"], a.dbtc, a.residual2[layer],
                                  w["ln2w"], a.ln2_mean[layer], a.ln2_rstd[layer])
@@ -191,7 +232,10 @@ class GPT2:
             else:
                 k.attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
                                      accumulate=False, upper_is_zero=True)
-            k.matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1[layer], w["qkvw"],
+            if self.recompute >= 2:
+                k.layernorm_forward(dev, a.ln1_of(layer), a.ln1_mean[layer], a.ln1_rstd[layer], residual,
+                                    w["ln1w"], w["ln1b"])
+            k.matmul_backward(dev, a.dbtc, g["qkvw"], g["qkvb"], a.dqkv, a.ln1_of(layer), w["qkvw"],
                               dinp_accumulate=False)
             k.layernorm_backward(dev, a.dresidual, g["ln1w"], g["ln1b"], a.dbtc, residual,
                                  w["ln1w"], a.ln1_mean[layer], a.ln1_rstd[layer])

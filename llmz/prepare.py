@@ -136,14 +136,17 @@ def main(argv=None) -> int:
     except LlmzError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    chars = sum(len(t) for t in texts)
+    print(summary(len(args.files), sum(len(t) for t in texts), ids, paths, tok))
+    return 0
+
+
+def summary(nfiles: int, chars: int, ids: dict, paths: dict, tok) -> str:
+    """The line llmz.prepare ends with: what it read, and each file it wrote with its tokens."""
     ntok = ids["train"].size + (ids["val"].size if "val" in paths else 0)
     val = (f", {paths['val']} {ids['val'].size:,} tokens ({ids['val'].size / ntok:.1%} held out)" if "val" in paths
            else " (no validation file: train with --val-data '')")
-    print(f"{len(args.files)} file{'s' if len(args.files) > 1 else ''}, {chars:,} characters -> "
-          f"{paths['train']} {ids['train'].size:,} tokens{val}, {paths['tokenizer']} ({tok.name}, "
-          f"{tok.vocab_size:,} tokens)")
-    return 0
+    return (f"{nfiles} file{'s' if nfiles > 1 else ''}, {chars:,} characters -> {paths['train']} "
+            f"{ids['train'].size:,} tokens{val}, {paths['tokenizer']} ({tok.name}, {tok.vocab_size:,} tokens)")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@ def mfu(tokens_per_s: float, config, T: int, dev, precision: str) -> float | Non
     return tokens_per_s * flops / (peak.get(precision, peak["fp32"]) * 1e12)
 
 
+def flash_fallback(dev, config) -> str | None:
+    """bf16 flash attention on the fast set at a head size its tensor-core kernels do not cover: one line
+    saying the teaching kernels run it (hundreds of times slower) and what is faster; None otherwise."""
+    if dev.kernel_set != "fast" or dev.attention != "flash" or dev.precision.name != "bf16":
+        return None
+    from .fast.flash_attention import fallback_note  # numba: only once the device has loaded it (llmz.device)
+    return fallback_note(config.channels // config.num_heads)
+
+
 def zero_on_one_rank(layout, stage: int, value_bytes: int) -> str | None:
     """What ZeRO `stage` (1-3) costs and saves on one rank, in one line; None for stage 0 or several ranks.
     With one rank every shard is the whole buffer, so nothing is divided; stage 2 keeps two block slots and
@@ -89,7 +98,8 @@ class RunLog:
                  f"{run.tokens_per_step:,} tokens/step; {run.train_loader.num_batches} batches per epoch")
         self.say(table(run.memory))
         one_rank = zero_on_one_rank(run.layout, cfg.zero_stage, run.precision.value_bytes)
-        for note in notes + run.notes + ([one_rank] if one_rank else []):
+        extra = [n for n in (one_rank, flash_fallback(d, c)) if n]
+        for note in notes + run.notes + extra:
             self.say(note)
         start = run.start_step
         if start >= cfg.steps:

@@ -75,15 +75,16 @@ class Trainer:
         flash, value_bytes = self.dev.attention == "flash", self.precision.value_bytes
         if kind == "gpu":                           # refuse before the big allocations, not halfway
             free, total = self.dev.xp.cuda.runtime.memGetInfo()
-            predicted = memory.predicted(self.layout, cfg.zero_stage, B, T, value_bytes, flash=flash)
+            predicted = memory.predicted(self.layout, cfg.zero_stage, B, T, value_bytes, flash=flash,
+                                         recompute=cfg.recompute)
             check_fits(predicted, free, total, self.dev.gpu_index)
-        self.model = GPT2(self.config, self.dev, B, T)
+        self.model = GPT2(self.config, self.dev, B, T, recompute=cfg.recompute)
         self.tracer = Tracer(self.dev, self.rank) if cfg.trace else None
         self.zero = make_stage(cfg.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
                                overlap=not cfg.no_overlap, tracer=self.tracer, seed=cfg.seed,
                                start_step=self.resumed.step if self.resumed else 0)
         self.memory = memory.report(self.layout, cfg.zero_stage, B, T, value_bytes, self.zero, self.model,
-                                    self.dev, flash=flash)
+                                    self.dev, flash=flash, recompute=cfg.recompute)
         self.tokens_per_step = B * T * cfg.grad_accum * self.world_size
         self.x, self.y = self.dev.zeros((B, T), np.int32), self.dev.zeros((B, T), np.int32)
         self.loss_sum = self.dev.zeros(1, np.float64)    # the step's summed per-position losses, on device

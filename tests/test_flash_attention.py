@@ -656,3 +656,38 @@ def test_fallback_note_speaks_only_for_head_sizes_the_fast_kernels_do_not_cover(
         note = fa.fallback_note(hs)
         assert not fa.fast_flash_covers(hs) and f"head size {hs}" in note and "\n" not in note
     assert fa.fallback_note(32).startswith("note:") and "--attention gemm" in fa.fallback_note(128)
+
+
+def test_a_run_says_at_start_when_bf16_flash_falls_back_to_the_teaching_kernels():
+    # llmz.runlog.flash_fallback: the note for the fast set's bf16 flash at head size 32 (--model small), none at
+    # GPT-2's 64, none where the fast kernels are not the ones chosen (teaching set, fp32, gemm attention)
+    from llmz.config import preset
+    from llmz.runlog import flash_fallback
+
+    class Dev:                                   # what flash_fallback reads of a Device
+        def __init__(self, kernel_set="fast", attention="flash", precision="bf16"):
+            from llmz.precision import as_precision
+            self.kernel_set, self.attention, self.precision = kernel_set, attention, as_precision(precision)
+    small, d12 = preset("small"), preset("d12")
+    assert flash_fallback(Dev(), small) == fa.fallback_note(32)
+    assert flash_fallback(Dev(), d12) is None
+    for other in (Dev(kernel_set="teaching"), Dev(attention="gemm"), Dev(precision="fp32")):
+        assert flash_fallback(other, small) is None
+
+
+def test_flash_at_a_head_size_beyond_the_kernels_is_refused_before_any_work():
+    from llmz.args import check_flash_head_size
+    from llmz.config import GPT2Config, TrainConfig
+    from llmz.errors import UsageError
+    wide = GPT2Config(num_layers=2, num_heads=2, channels=256, vocab_size=256, padded_vocab_size=256)  # head 128
+    cfg = TrainConfig(device="sim", precision="fp32", attention="flash")
+    with pytest.raises(UsageError, match=r"^--attention flash: head size 128 .*\(at most 64\); use --attention "
+                       r"direct$"):
+        check_flash_head_size(cfg, "sim", wide)
+    check_flash_head_size(cfg, "sim", preset_with_head(64))     # GPT-2's head size passes
+    check_flash_head_size(TrainConfig(device="cpu", attention="flash"), "cpu", wide)  # NumPy takes any
+
+
+def preset_with_head(hs: int):
+    from llmz.config import GPT2Config
+    return GPT2Config(num_layers=1, num_heads=2, channels=2 * hs, vocab_size=256, padded_vocab_size=256)

@@ -34,11 +34,13 @@ from .device_helpers import (
 # float32); word w holds elements 2w and 2w+1. Thread i takes words i, i+S, i+2S, i+3S (S = the threads of
 # the grid), as llmz.fast.gelu's paired kernels do.
 @cuda.jit(device=True)
-def adamw_bf16_word(params, master, m, v, w, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale, bc1,
-                    bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step):
-    """Word w of the paired views: elements e0 = 2w and e1 = 2w + 1, loaded as (g, p, m, v) 0 and 1. Each
-    element computes as in adamw_bf16_kernel (its own weight decay, its own hash index offset + e). Overwrites
-    word w of params, master, m and v."""
+def adamw_bf16_word(params, master, m, v, n_words, w, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale,
+                    bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step):
+    """Word w of the paired views, if w < n_words (else nothing): elements e0 = 2w and e1 = 2w + 1, loaded as
+    (g, p, m, v) 0 and 1. Each element computes as in adamw_bf16_kernel (its own weight decay, its own hash
+    index offset + e). Overwrites word w of params, master, m and v."""
+    if w >= n_words:
+        return
     e0 = 2 * w
     e1 = e0 + 1
     # weight decay per element: a word may straddle decay_size
@@ -74,18 +76,14 @@ def adamw_bf16_pairs_kernel(params, master, grads, m, v, decay_size, scalars, be
     # the rounding's step (device memory: a replayed CUDA graph draws fresh bits)
     step = np.uint64(s4) & M32
     # the update, the words inside the array
-    if i0 < n_words:
-        adamw_bf16_word(params, master, m, v, i0, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale,
-                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
-    if i1 < n_words:
-        adamw_bf16_word(params, master, m, v, i1, g2, g3, p2, p3, m2, m3, v2, v3, decay_size, lr, grad_scale,
-                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
-    if i2 < n_words:
-        adamw_bf16_word(params, master, m, v, i2, g4, g5, p4, p5, m4, m5, v4, v5, decay_size, lr, grad_scale,
-                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
-    if i3 < n_words:
-        adamw_bf16_word(params, master, m, v, i3, g6, g7, p6, p7, m6, m7, v6, v7, decay_size, lr, grad_scale,
-                        bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    adamw_bf16_word(params, master, m, v, n_words, i0, g0, g1, p0, p1, m0, m1, v0, v1, decay_size, lr, grad_scale,
+                    bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    adamw_bf16_word(params, master, m, v, n_words, i1, g2, g3, p2, p3, m2, m3, v2, v3, decay_size, lr, grad_scale,
+                    bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    adamw_bf16_word(params, master, m, v, n_words, i2, g4, g5, p4, p5, m4, m5, v4, v5, decay_size, lr, grad_scale,
+                    bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
+    adamw_bf16_word(params, master, m, v, n_words, i3, g6, g7, p6, p7, m6, m7, v6, v7, decay_size, lr, grad_scale,
+                    bc1, bc2, beta1, beta2, eps, weight_decay, stochastic, seed, offset, step)
 
 
 # ---- the layer ---------------------------------------------------------------------------------

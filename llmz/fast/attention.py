@@ -80,9 +80,9 @@ def _chunk_at(a, r, t, w, last, fill):
 
 @cuda.jit
 def softmax_rows_pairs_kernel(att, preatt, write_upper):
-    # att, preatt: (R,T,T/2) paired views of (R,T,T) rows. One warp per row, lane l taking words l, l+32, ...
-    # Overwrites att on and below the diagonal; above it writes +0.0 if write_upper, else leaves it (the
-    # caller's att already holds the zeros: a quarter of the kernel's bytes not moved).
+    """att, preatt: (R,T,T/2) paired views of (R,T,T) rows. One warp per row, lane l taking words l, l+32, ...
+    Overwrites att on and below the diagonal; above it writes +0.0 if write_upper, else leaves it (the
+    caller's att already holds the zeros: a quarter of the kernel's bytes not moved)."""
     row, lane = warp_row()
     if row >= att.shape[0] * att.shape[1]:
         return
@@ -116,8 +116,8 @@ def softmax_rows_pairs_kernel(att, preatt, write_upper):
 
 @cuda.jit
 def softmax_rows_backward_pairs_kernel(dpreatt, datt, att, write_upper):
-    # paired views (R,T,T/2), one warp per row as softmax_rows_pairs_kernel. Overwrites dpreatt on and below the
-    # diagonal; above it as softmax_rows_pairs_kernel does att.
+    """Paired views (R,T,T/2), one warp per row as softmax_rows_pairs_kernel. Overwrites dpreatt on and below
+    the diagonal; above it as softmax_rows_pairs_kernel does att."""
     row, lane = warp_row()
     if row >= att.shape[0] * att.shape[1]:
         return
@@ -156,7 +156,7 @@ VALUES_PER_LANE = 2 * WORDS_PER_LANE       # the elements of those words
 
 @cuda.jit
 def softmax_rows_pairs_regs_kernel(att, preatt, write_upper):
-    # att, preatt: (R,T,T/2) paired views, T <= 64 * WORDS_PER_LANE. As softmax_rows_pairs_kernel.
+    """att, preatt: (R,T,T/2) paired views, T <= 64 * WORDS_PER_LANE. As softmax_rows_pairs_kernel."""
     row, lane = warp_row()
     if row >= att.shape[0] * att.shape[1]:
         return

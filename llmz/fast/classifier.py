@@ -126,9 +126,7 @@ def classifier_fused_kernel(losses, logits, targets, dloss, V):
     logits with dlogits = (softmax - onehot(target)) * dloss, 0 on the padded columns (in place, as llm.c:
     no second buffer, and the simulator copies each array argument, so two names for one buffer would lose
     writes there). Reads the row twice, writes it once; no probs."""
-    r = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    r, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x      # row, thread, threads
     Vp = logits.shape[1]
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     t = targets[r]
@@ -249,9 +247,7 @@ def classifier_loss_pairs_kernel(losses, logits, targets, V):
 def classifier_fused_pairs_kernel(losses, logits, targets, dloss, V):
     """classifier_fused_kernel on a paired view logits: (B*T, Vp/2), launched with half its block (nt threads for
     its 2nt): the same losses and dlogits, bit for bit. Overwrites losses, and the logits with dlogits in place."""
-    r = cuda.blockIdx.x
-    j = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    r, j, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x        # row, thread (word), threads
     W = logits.shape[1]
     buf = cuda.shared.array(MAX_BLOCK, numba.float64)
     t = targets[r]

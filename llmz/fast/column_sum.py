@@ -204,6 +204,12 @@ def column_total(buf, partial, c):
 U1, U2, U3, U4, U5, U6, U7, U8 = (np.uint64(k) for k in range(1, 9))
 
 
+@cuda.jit(device=True, inline="always")
+def unsigned_rows(first, end, step):
+    """The row loop's (first, end, step) as unsigned integers (the note above)."""
+    return np.uint64(first), np.uint64(end), np.uint64(step)
+
+
 @cuda.jit(device=True)
 def sum_rows_pair(x, w, first, end, step):
     """(s0, s1), the float64 sums of columns 2w and 2w+1 over rows range(first, end, step) of the words x
@@ -211,9 +217,7 @@ def sum_rows_pair(x, w, first, end, step):
     same bits. The word loads go ROW_LOADS = 8 at a time, all eight before their adds. w must be a word of x
     (called outside any branch, as sum_rows); first, end, step >= 0."""
     w = np.uint64(w)
-    row = np.uint64(first)
-    end = np.uint64(end)
-    step = np.uint64(step)
+    row, end, step = unsigned_rows(first, end, step)
     a0 = np.float64(0.0)
     a1 = np.float64(0.0)
     # eight rows at a time: the eight word loads, independent, then each column's eight adds in row order
@@ -245,9 +249,7 @@ def sum_rows_two(x, c0, c1, first, end, step):
     as sum_rows_pair)."""
     c0 = np.uint64(c0)
     c1 = np.uint64(c1)
-    row = np.uint64(first)
-    end = np.uint64(end)
-    step = np.uint64(step)
+    row, end, step = unsigned_rows(first, end, step)
     a0 = np.float64(0.0)
     a1 = np.float64(0.0)
     while row + U7 * step < end:

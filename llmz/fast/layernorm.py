@@ -154,6 +154,19 @@ def layernorm_forward_warp_kernel(out, mean, rstd, inp, weight, bias):
         rstd[row] = s
 
 
+@cuda.jit(device=True)
+def lane_shares(x, g, dx, x_row, g_row, dx_row, lane, C):
+    """x[k], g[k], dx[k] = the rows' channel lane + 32k, for the channels < C (the other slots untouched):
+    lane `lane`'s share of three rows of C. Unrolled (k up to MAX_PER_LANE), so every load is issued before
+    any arithmetic reads them."""
+    for k in range(MAX_PER_LANE):
+        i = lane + k * WARP
+        if i < C:
+            x[k] = x_row[i]
+            g[k] = g_row[i]
+            dx[k] = dx_row[i]
+
+
 @cuda.jit
 def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
     """dinp, dout, inp: (N,C), C <= 32 * MAX_PER_LANE; weight: (C,); mean, rstd: (N,). One warp per row, the
@@ -162,19 +175,11 @@ def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
     row, lane = warp_row()
     if row >= N:
         return
-    x_row = inp[row]
-    g_row = dout[row]
-    dx_row = dinp[row]
     # read the three rows once, every load issued before any arithmetic
     x = cuda.local.array(MAX_PER_LANE, inp.dtype)
     g = cuda.local.array(MAX_PER_LANE, dout.dtype)
     dx = cuda.local.array(MAX_PER_LANE, dinp.dtype)
-    for k in range(MAX_PER_LANE):
-        i = lane + k * WARP
-        if i < C:
-            x[k] = x_row[i]
-            g[k] = g_row[i]
-            dx[k] = dx_row[i]
+    lane_shares(x, g, dx, inp[row], dout[row], dinp[row], lane, C)
     m = as_compute(inp, mean[row])
     s = as_compute(inp, rstd[row])
     # the two means over the row, of dnorm = weight * dout and of dnorm * norm: lane sums, two butterflies
@@ -190,6 +195,7 @@ def layernorm_backward_inp_warp_kernel(dinp, dout, inp, weight, mean, rstd):
     dnorm_mean = as_compute(inp, warp_sum(np.float64(acc_d)) / C)
     dnorm_norm_mean = as_compute(inp, warp_sum(np.float64(acc_dn)) / C)
     # the input gradient, added to dinp's registers (store_add's arithmetic)
+    dx_row = dinp[row]
     for k in range(MAX_PER_LANE):
         i = lane + k * WARP
         if i < C:
@@ -234,8 +240,7 @@ def layernorm_backward_inp_warp_loop_kernel(dinp, dout, inp, weight, mean, rstd)
     row, lane = warp_row()
     if row >= N:
         return
-    m = mean[row]
-    s = rstd[row]
+    m, s = mean[row], rstd[row]          # the row's statistics, from the forward
     # the two means over the row, of dnorm = weight * dout and of dnorm * norm: one read, two butterflies
     acc_d = 0.0
     acc_dn = 0.0

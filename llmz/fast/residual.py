@@ -34,6 +34,15 @@ def residual_forward_pairs_kernel(out, inp1, inp2, n_words):
         store_pair(out, i3, a6 + b6, a7 + b7)
 
 
+@cuda.jit(device=True)
+def add_into_both(dinp1, dinp2, n_words, i, d0, d1, p0, p1, q0, q1):
+    """Word i of dinp1 and of dinp2, if i < n_words: their loaded pairs (p0, p1) and (q0, q1) plus dout's
+    (d0, d1)."""
+    if i < n_words:
+        store_pair(dinp1, i, p0 + d0, p1 + d1)
+        store_pair(dinp2, i, q0 + d0, q1 + d1)
+
+
 @cuda.jit
 def residual_backward_pairs_kernel(dinp1, dinp2, dout, n_words):
     """dinp1, dinp2, dout: (n_words,) paired views, dinp1 and dinp2 different arrays. Accumulates (+=) into
@@ -45,18 +54,10 @@ def residual_backward_pairs_kernel(dinp1, dinp2, dout, n_words):
     q0, q1, q2, q3, q4, q5, q6, q7 = four_pairs(dinp2, j0, j1, j2, j3)
     loads_barrier()
     # dinp1 += dout; dinp2 += dout, the words inside the array
-    if i0 < n_words:
-        store_pair(dinp1, i0, p0 + d0, p1 + d1)
-        store_pair(dinp2, i0, q0 + d0, q1 + d1)
-    if i1 < n_words:
-        store_pair(dinp1, i1, p2 + d2, p3 + d3)
-        store_pair(dinp2, i1, q2 + d2, q3 + d3)
-    if i2 < n_words:
-        store_pair(dinp1, i2, p4 + d4, p5 + d5)
-        store_pair(dinp2, i2, q4 + d4, q5 + d5)
-    if i3 < n_words:
-        store_pair(dinp1, i3, p6 + d6, p7 + d7)
-        store_pair(dinp2, i3, q6 + d6, q7 + d7)
+    add_into_both(dinp1, dinp2, n_words, i0, d0, d1, p0, p1, q0, q1)
+    add_into_both(dinp1, dinp2, n_words, i1, d2, d3, p2, p3, q2, q3)
+    add_into_both(dinp1, dinp2, n_words, i2, d4, d5, p4, p5, q4, q5)
+    add_into_both(dinp1, dinp2, n_words, i3, d6, d7, p6, p7, q6, q7)
 
 
 # ---- the layer ---------------------------------------------------------------------------------
