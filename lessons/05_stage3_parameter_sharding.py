@@ -11,7 +11,9 @@ llmz/model.py, the twin of the gradient store's `grads.bucket(b)`):
     runs on the comm stream, into the other slot, once an event recorded on the compute stream says the
     block that used that slot before is done. The compute stream waits on the gather's event before block
     l+1's first kernel. The host never waits. Backward's first block (L-1) is gathered under the
-    classifier's backward; a forward's block 0 has nothing before it to hide under.
+    classifier's backward; a forward's block 0 has nothing before it to hide under. On CPU ranks the gather
+    is MPI's non-blocking all-gather, started before block l computes and waited for when block l+1 is asked
+    for (lesson 03's reduce-scatters the same way).
   * the embeddings and the final layernorm: wte is used first (encoder) and last (classifier) in forward and
     first again in backward, back to back, and it is the biggest bucket; in a buffer of its own it costs the
     same memory gathered once as twice. So both are all-gathered once a step, right after AdamW, and kept.
@@ -29,7 +31,8 @@ same parameters, bit for bit, (3) parameter bytes per rank = shard + two slots +
 (4) all-gathers per step: K times (blocks 0..L-1, then L-1..0), then the embeddings and lnf, in that order,
 (5) bytes sent per rank per step as the count of (4) and K reduce-scatters predicts, (6) --no-overlap (no
 prefetch) gives the same bits, (7) the timeline PNG: every block's gather but a forward's block 0 began
-before the block ahead of it finished computing.
+before the block ahead of it finished computing, (8) the overlap it shows: part of the time the gathers and
+reduce-scatters were in flight, a layer computed.
 Figures in --out, named by model, ranks N and K: stage3_timeline_thin_2ranks_k2.png (rank 0's step; the .json
 beside it opens in ui.perfetto.dev) and memory_per_rank_stages0-3_thin_2ranks.png (stages 0 to 3 by category).
 """
@@ -43,7 +46,7 @@ from llmz.trace import gathers_ahead
 
 def lesson(a, ranks) -> int:
     N, K = ranks.world_size, a.grad_accum
-    ck = common.Checkpoints(ranks, 7)
+    ck = common.Checkpoints(ranks, 8)
     trace = common.figure_name(a, ranks, "stage3_timeline", ext="json", with_k=True)
     ref = common.make_run(a, ranks, stage=2)                           # lesson 03: the reference
     run = common.make_run(a, ranks, stage=3, trace=trace)              # this lesson
@@ -88,6 +91,10 @@ def lesson(a, ranks) -> int:
                 f"{ahead} used an all-gather that began before the block ahead of them finished (prefetched), "
                 f"expected K*(2L-1) = {K * (2 * L - 1)} of K*2L = {K * 2 * L}: all but each micro-step's forward block 0")
     ck.check(ok, text)
+    common.check_overlap(ck, ranks, run, t.events, "2/3 (below lesson 03's)",
+                         "block l+1's gather (backward: l-1's) starts before block l", gpu="block l+1's gather "
+                         "(backward: l-1's) and the reduce-scatters beside block l", exposed="now also each gather's "
+                         "end, forward block 0's gather (nothing before it), the embeddings' reduce-scatter")
     run0 = common.make_run(a, ranks, stage=0)              # built for their memory reports only
     run1 = common.make_run(a, ranks, stage=1)
     common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": run1, "stage 2": ref, "stage 3": run},

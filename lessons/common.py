@@ -29,13 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from llmz.args import check_kernels, check_train, parse_lesson
+from llmz.comm import Request
 from llmz.config import TrainConfig, default_print_every
 from llmz.device import resolve
 from llmz.errors import UsageError
 from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
 from llmz.memory import fmt_bytes
 from llmz.runlog import zero_on_one_rank
-from llmz.trace import save_png
+from llmz.trace import overlap, save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
 # the order of additions differs, 1e-16 per operation, far below 1e-10. fp32 (gpu): 1e-7 per operation, grown
@@ -140,7 +141,12 @@ def apply_break(stage) -> None:
         raise SystemExit(f"LLMZ_LESSON_BREAK={what}: choose one of {', '.join(BREAKS)}")
     if what == "skip_all_gather" and stage.stage == 3:
         comm = stage.comm
-        comm.all_gather = lambda buf, src=None: src is not None and comm.place(buf, src)
+
+        def no_gather(buf, src=None) -> Request:        # my slice in its place; the others' stay stale
+            if src is not None:
+                comm.place(buf, src)
+            return Request()                            # done at once (all_gather starts one and waits)
+        comm.start_all_gather = no_gather
     elif what == "skip_all_gather":
         stage.gather_parameters = lambda: None
     if what == "skip_all_reduce":
@@ -244,6 +250,27 @@ def sent_as_predicted(ranks, sent: list, expect: int) -> tuple[int, bool]:
 def same_bits(ranks, run, other) -> list[bool]:
     """On every rank: do these two runs hold the same parameter bits?"""
     return gather(ranks, params_hash(run) == params_hash(other))
+
+
+def check_overlap(ck, ranks, run, events: list, share: str, started: str, gpu: str, exposed: str) -> bool:
+    """Checkpoint: in the traced step (rank 0's timeline, llmz.trace.overlap) a layer computed during part of
+    the time collectives were in flight: communication hidden behind compute. The expected share (CPU ranks) and
+    why, in the lesson's words: `started` says which collective starts before which layer, `gpu` what the comm
+    stream runs beside the compute stream, `exposed` what cannot hide. With one rank nothing is sent, so nothing
+    is ever in flight: trivial."""
+    if ranks.world_size == 1:
+        return ck.check(True, "overlap: nothing is sent with 1 rank, so no collective is ever in flight",
+                        across_ranks=True)
+    if ranks.rank != 0:                                 # rank 0 traced the step; its verdict is the check's
+        return ck.check(True, "")
+    m = overlap(events)
+    why = (f"most of it: the comm stream runs {gpu}; exposed: {exposed}" if run.dev.kind == "gpu" else
+           f"about {share} for thin on 2 idle CPU cores (less on busy ones): {started}, and MPICH needs 2+ MPI "
+           f"calls after the start to finish it, one made before the next layer computes, so it is in flight "
+           f"through that layer; exposed: the MPI calls (where MPICH copies and adds) and other host work "
+           f"between layers, {exposed}")
+    return ck.check(m.hidden_ms > 0, f"overlap in the traced step, {run.dev.kind} (rank 0): {m}; expected > 0, "
+                    f"{why}")
 
 
 # ---- across ranks -----------------------------------------------------------------------------------------

@@ -23,6 +23,15 @@ In place, with NCCL's layout (N ranks, buf flat and contiguous):
                            bucket from each rank's parameter shard into a slot; NCCL reads src directly,
                            the other backends first copy it into its place in buf)
   broadcast(buf, root)     every rank ends with root's buf
+  start_reduce_scatter(buf, op), start_all_gather(buf, src)
+                           the same collectives, started: they return a Request, and request.wait() returns once
+                           the collective has completed. ZeRO stages 2 and 3 start them during backward (a
+                           finished block's gradients, the next block's parameters) and wait only when they need
+                           the result. NCCL's are enqueued on the comm stream (events order them, as above) and
+                           local's are the identity: both done at once. MPI's on host buffers stay in flight on
+                           the host while backward computes; MPICH moves a non-blocking collective's data only
+                           inside MPI calls, so backward calls progress() between layers (one MPI_Test) to move
+                           them on. MPI on GPU buffers (staged through the host) completes before it returns.
 Every rank ends an all-reduce with the SAME BITS (ZeRO needs identical parameters on all ranks): each
 element is reduced once, by the rank that owns it (a reduce-scatter), and then copied (an all-gather).
 The average is that sum divided by N (NCCL: its NCCL_AVG, which multiplies by 1/N; exact when N is a power
@@ -32,7 +41,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -75,6 +85,28 @@ def split_counts(size: int, n: int) -> tuple[list[int], list[int]]:
     return counts, displs
 
 
+class Request:
+    """A collective started by Communicator.start_reduce_scatter or start_all_gather.
+
+    done          True once it has completed on this rank: at once on local and NCCL (NCCL's is enqueued on the
+                  comm stream, which events order), and for MPI on GPU buffers; an MPI collective on host
+                  buffers is in flight until progress() finds it complete or wait() waits for it
+    completed_at  time.perf_counter() when this rank saw it complete (None: at once), where its span on the
+                  timeline ends (llmz.trace)
+    wait()        returns once it has completed (MPI: within --collective-timeout, as every collective)
+    """
+
+    def __init__(self, comm=None, op: str = "", mpi=None, seq: int = 0, then=None):
+        self.comm, self.op, self.mpi, self.seq = comm, op, mpi, seq
+        self.then = then                # what completes it on the host once MPI is done (the average, a copy back)
+        self.done = mpi is None
+        self.completed_at: float | None = None
+
+    def wait(self) -> None:
+        if not self.done:
+            self.comm.wait_for(self)
+
+
 class Communicator:
     """The interface, with the accounting; the backends below implement the _underscore methods.
 
@@ -106,20 +138,34 @@ class Communicator:
 
     def reduce_scatter(self, buf, op: str = "avg") -> None:
         """In place: rank r's reduced slice at buf[r*n:(r+1)*n], n = buf.size / N; the rest undefined."""
-        self._count("reduce_scatter", self._divisible(buf), 1)
-        self._reduce_scatter(buf, _check_op(op))
-        self._after("reduce_scatter")
+        self.start_reduce_scatter(buf, op).wait()
 
     def all_gather(self, buf, src=None) -> None:
         """In place: rank r contributes buf[r*n:(r+1)*n], or src (n elements) when given; every rank ends
         with all N slices."""
+        self.start_all_gather(buf, src).wait()
+
+    def start_reduce_scatter(self, buf, op: str = "avg") -> Request:
+        """reduce_scatter, started: buf is the result once the request's wait() has returned."""
+        self._count("reduce_scatter", self._divisible(buf), 1)
+        request = self._start_reduce_scatter(buf, _check_op(op))
+        self._after("reduce_scatter")
+        return request
+
+    def start_all_gather(self, buf, src=None) -> Request:
+        """all_gather, started: buf is the result once the request's wait() has returned (src is read at once)."""
         nbytes = self._divisible(buf)
         if src is not None and (src.size * self.world_size != buf.size or src.dtype != buf.dtype):
             raise ValueError(f"all_gather of {buf.size} {buf.dtype} from a slice of {src.size} {src.dtype} "
                              f"on {self.world_size} ranks")
         self._count("all_gather", nbytes, 1)
-        self._all_gather(buf, src)
+        request = self._start_all_gather(buf, src)
         self._after("all_gather")
+        return request
+
+    def progress(self) -> None:
+        """Move on the collectives in flight (MPI: one MPI_Test; nothing elsewhere). Cheap: backward calls it
+        between layers."""
 
     def broadcast(self, buf, root: int = 0) -> None:
         """In place: every rank ends with root's buf."""
@@ -184,6 +230,16 @@ class Communicator:
         if src is not None:
             self.place(buf, src)
 
+    def _start_reduce_scatter(self, buf, op: str) -> Request:
+        """local and NCCL: the collective itself (NCCL: enqueued on the comm stream), done as far as the host
+        is concerned."""
+        self._reduce_scatter(buf, op)
+        return Request()
+
+    def _start_all_gather(self, buf, src) -> Request:
+        self._all_gather(buf, src)
+        return Request()
+
     def _broadcast(self, buf, root: int) -> None:
         pass
 
@@ -201,7 +257,9 @@ class LocalCommunicator(Communicator):
 
 class MpiCommunicator(Communicator):
     """mpi4py on the host: each collective a non-blocking call, waited on within the deadline (llmz.watchdog).
-    CuPy buffers go through host copies (see the module docstring)."""
+    A started collective (start_reduce_scatter, start_all_gather) on host buffers stays in flight until it is
+    needed; the ones in flight complete in the order they were started. CuPy buffers go through host copies
+    (see the module docstring) and complete before the call returns."""
     name = "mpi"
 
     def __init__(self, ranks: RankInfo, dev):
@@ -209,11 +267,43 @@ class MpiCommunicator(Communicator):
         super().__init__(ranks, dev)
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
+        self.in_flight: deque[Request] = deque()        # started, not yet seen complete, oldest first
 
-    @contextlib.contextmanager
+    # ---- requests: started, progressed, completed in order ------------------------------------------------
+    def _start(self, op: str, mpi_request, then=None, buf=None) -> Request:
+        """A non-blocking MPI call just posted: numbered for the watchdog, queued behind those in flight. A GPU
+        buffer (buf, staged through the host) is waited on at once: its copy back belongs to the streams."""
+        request = Request(self, op, mpi_request, self.watch.begin(op), then)
+        self.in_flight.append(request)
+        if buf is not None and not isinstance(buf, np.ndarray):
+            request.wait()
+        return request
+
+    def progress(self) -> None:
+        """MPICH moves a non-blocking collective only inside an MPI call: one MPI_Test does it for all of them
+        (and completes, in order, those that have finished)."""
+        while self.in_flight and self.in_flight[0].mpi.Test():
+            self._complete(self.in_flight.popleft())
+
+    def wait_for(self, request: Request) -> None:
+        """Wait for `request`, and first for every collective started before it, each within the deadline."""
+        while not request.done:
+            oldest = self.in_flight.popleft()
+            self.watch.wait(oldest.op, oldest.mpi, seq=oldest.seq)
+            self._complete(oldest)
+
+    def _complete(self, request: Request) -> None:
+        request.completed_at = time.perf_counter()
+        self.watch.finished(request.seq)
+        if request.then is not None:
+            request.then()
+        request.done = True
+
+    # ---- host buffers ---------------------------------------------------------------------------------------
     def _on_host(self, buf, arith: bool):
-        """Yield a flat host array that MPI can work on; write it back into buf afterwards.
-        arith: the op adds, so bf16 is widened to float32 (MPI has no bf16 sum) and rounded back once."""
+        """A flat host array that MPI can work on, and the function that writes it back into buf once the
+        collective has completed. arith: the op adds, so bf16 is widened to float32 (MPI has no bf16 sum) and
+        rounded back once."""
         on_device = not isinstance(buf, np.ndarray)
         if on_device:
             import cupy
@@ -226,50 +316,55 @@ class MpiCommunicator(Communicator):
         if bf16:
             flat = flat.view(np.uint16)
         work = bf16_to_f32(flat) if bf16 and arith else flat
-        yield work
-        if bf16 and arith:
-            flat[...] = f32_to_bf16(work)
-        if on_device:
-            buf.set(host, stream=self.dev.comm_stream.cupy)
-            self.dev.comm_stream.synchronize()      # host memory must outlive the copy
 
-    def _reduce_scatter_host(self, h: np.ndarray, counts: list[int], displs: list[int], op: str, what: str) -> None:
-        """Sum (then average) rank r's piece of h into h[displs[r]:...]: computed once, by its owner."""
+        def write_back() -> None:
+            if bf16 and arith:
+                flat[...] = f32_to_bf16(work)
+            if on_device:
+                buf.set(host, stream=self.dev.comm_stream.cupy)
+                self.dev.comm_stream.synchronize()  # host memory must outlive the copy
+        return work, write_back
+
+    def _reduce_scatter_host(self, h: np.ndarray, op: str, what: str, then=None, buf=None) -> Request:
+        """Sum (then average) rank r's piece of h into its place in h: computed once, by its owner."""
         MPI, r = self.MPI, self.rank
-        # MPI leaves r's piece at h[:counts[r]]
-        self.watch.wait(what, self.world.Ireduce_scatter(MPI.IN_PLACE, h, counts, MPI.SUM))
-        mine = h[:counts[r]]
-        if op == "avg":
-            mine /= self.world_size
-        h[displs[r]:displs[r] + counts[r]] = mine                       # move it to its own place
+        counts, displs = split_counts(h.size, self.world_size)
 
-    def _all_gather_host(self, h: np.ndarray, counts: list[int], displs: list[int], what: str) -> None:
-        self.watch.wait(what, self.world.Iallgatherv(self.MPI.IN_PLACE, [h, (counts, displs)]))
+        def finish() -> None:
+            mine = h[:counts[r]]                                        # MPI leaves r's piece at h[:counts[r]]
+            if op == "avg":
+                mine /= self.world_size
+            h[displs[r]:displs[r] + counts[r]] = mine                   # move it to its own place
+            if then is not None:
+                then()
+        return self._start(what, self.world.Ireduce_scatter(MPI.IN_PLACE, h, counts, MPI.SUM), finish, buf)
 
+    def _all_gather_host(self, h: np.ndarray, what: str, then=None, buf=None) -> Request:
+        counts, displs = split_counts(h.size, self.world_size)
+        return self._start(what, self.world.Iallgatherv(self.MPI.IN_PLACE, [h, (counts, displs)]), then, buf)
+
+    # ---- the collectives ------------------------------------------------------------------------------------
     def _all_reduce(self, buf, op: str) -> None:
-        with self._on_host(buf, arith=True) as h:
-            counts, displs = split_counts(h.size, self.world_size)
-            self._reduce_scatter_host(h, counts, displs, op, "all_reduce")
-            self._all_gather_host(h, counts, displs, "all_reduce")
+        h, write_back = self._on_host(buf, arith=True)
+        self._reduce_scatter_host(h, op, "all_reduce").wait()
+        self._all_gather_host(h, "all_reduce", write_back).wait()
 
-    def _reduce_scatter(self, buf, op: str) -> None:
-        with self._on_host(buf, arith=True) as h:
-            counts, displs = split_counts(h.size, self.world_size)
-            self._reduce_scatter_host(h, counts, displs, op, "reduce_scatter")
+    def _start_reduce_scatter(self, buf, op: str) -> Request:
+        h, write_back = self._on_host(buf, arith=True)
+        return self._reduce_scatter_host(h, op, "reduce_scatter", write_back, buf)
 
-    def _all_gather(self, buf, src) -> None:
+    def _start_all_gather(self, buf, src) -> Request:
         if src is not None:
             self.place(buf, src)
-        with self._on_host(buf, arith=False) as h:
-            counts, displs = split_counts(h.size, self.world_size)
-            self._all_gather_host(h, counts, displs, "all_gather")
+        h, write_back = self._on_host(buf, arith=False)
+        return self._all_gather_host(h, "all_gather", write_back, buf)
 
     def _broadcast(self, buf, root: int) -> None:
-        with self._on_host(buf, arith=False) as h:
-            self.watch.wait("broadcast", self.world.Ibcast(h, root=root))
+        h, write_back = self._on_host(buf, arith=False)
+        self._start("broadcast", self.world.Ibcast(h, root=root), write_back).wait()
 
     def _barrier(self) -> None:
-        self.watch.wait("barrier", self.world.Ibarrier())
+        self._start("barrier", self.world.Ibarrier()).wait()
 
 
 class NcclCommunicator(Communicator):

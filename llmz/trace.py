@@ -1,11 +1,19 @@
 """A timeline of one training step: each layer's backward (and at ZeRO stage 3 each block's forward) on the
-compute stream and each collective on the comm stream, written as a Chrome trace (open it in
-https://ui.perfetto.dev or chrome://tracing) and as a PNG, so a learner sees block l's reduce-scatter run
-beside block l-1's backward, or block l+1's all-gather beside block l's forward.
+compute row and each collective on the comm row, written as a Chrome trace (open it in https://ui.perfetto.dev
+or chrome://tracing) and as a PNG, so a learner sees block l's reduce-scatter run beside block l-1's backward,
+or block l+1's all-gather beside block l's forward.
 
 On the GPU every span is a pair of CUDA events recorded on its stream (no host synchronisation while
-tracing; the times are read once, at stop()). On cpu and sim everything runs in program order, so the
-spans are host clock readings and the picture shows the collectives serialised with backward.
+tracing; the times are read once, at stop()). On cpu and sim the layers run in program order on the host and
+the spans are host clock readings; a collective is MPI's non-blocking call (llmz.comm), and its bar runs from
+the moment it was started to the moment this rank saw it complete. MPICH moves a collective's data only inside
+MPI calls, which backward makes between layers (llmz.comm's progress()), and needs two or more of them after
+the start, so a bar that starts after block l ends after block l-1: the rank computed meanwhile instead of
+waiting for the other rank, and the copying and adding happened in the MPI calls between the layers.
+
+overlap(events) measures the picture: how long collectives were in flight and how much of that time a layer
+was computing (hidden); the rest is exposed: the rank waited for them, or was between layers (on CPU ranks:
+in the MPI calls, adding my slice into the shard, starting the next collective).
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import io
 import json
 import os
 import time
+from typing import NamedTuple
 
 from .data import atomic_write
 
@@ -23,6 +32,7 @@ class Tracer:
         self.active = False
         self.spans: list[tuple[str, str, object, object]] = []     # (name, stream, start, end)
         self.open: dict[tuple[str, str], object] = {}
+        self.measured: Overlap | None = None     # what the last stop() measured (overlap())
 
     def _mark(self, stream_name: str):
         if self.dev.kind == "gpu":
@@ -39,9 +49,10 @@ class Tracer:
         if self.active:
             self.open[(name, stream)] = self._mark(stream)
 
-    def end(self, name: str, stream: str) -> None:
+    def end(self, name: str, stream: str, at: float | None = None) -> None:
+        """at (cpu, sim): the host clock reading where the span ended, if not now."""
         if self.active and (name, stream) in self.open:
-            self.spans.append((name, stream, self.open.pop((name, stream)), self._mark(stream)))
+            self.spans.append((name, stream, self.open.pop((name, stream)), self._mark(stream) if at is None else at))
 
     def _us(self, mark) -> float:
         if self.dev.kind == "gpu":
@@ -60,27 +71,79 @@ class Tracer:
                            "tid": stream, "cat": "comm" if stream == "comm" else
                            "forward" if name.startswith("forward") else "backward"})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        self.measured = overlap(events)         # this rank's, for the run's line (llmz.trainer)
         if self.rank != 0:                      # every rank traces; rank 0's timeline is written
             return trace
         atomic_write(path, [json.dumps(trace, indent=1).encode()])
         png = os.path.splitext(path)[0] + ".png"
-        title = (f"rank {self.rank}: layers (compute stream) and collectives (comm stream): F forward, "
-                 "RS reduce-scatter, AG all-gather")
-        if self.dev.kind != "gpu":
-            title += f"\non {self.dev.kind}: no streams, every span runs after the one before"
-        plot_png(events, png, title)
+        where = ("the compute and the comm stream" if self.dev.kind == "gpu" else f"{self.dev.kind}: a collective's "
+                 "bar runs from its start until this rank saw it complete, between two layers")
+        plot_png(events, png, f"rank {self.rank}: layers and collectives of one step ({where})\n"
+                 f"{legend(events)} | {self.measured}", streams=self.dev.kind == "gpu")
         return trace
 
 
+class Overlap(NamedTuple):
+    """What a timeline says about communication: comm_ms, the time at least one collective was in flight;
+    hidden_ms, the part of it during which a layer was computing. The rest, comm_ms - hidden_ms, is exposed
+    (the rank waited, or did other work between layers)."""
+    comm_ms: float
+    hidden_ms: float
+
+    @property
+    def share(self) -> float:
+        """The share of the collectives' time hidden behind compute (0 when nothing was in flight)."""
+        return self.hidden_ms / self.comm_ms if self.comm_ms > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"collectives in flight {self.comm_ms:.2f} ms, {self.hidden_ms:.2f} ms of it behind compute "
+                f"({self.share:.0%} hidden), {self.comm_ms - self.hidden_ms:.2f} ms exposed")
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals (start, end) merged where they overlap: the time covered, each instant once."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(events: list[dict]) -> Overlap:
+    """The overlap of a trace (one rank's events, as Tracer.stop returns them): the time covered by comm spans,
+    and the part of it also covered by compute spans."""
+    comp = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"])
+    comm = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "comm"])
+    hidden = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in comp for b0, b1 in comm)
+    return Overlap(sum(b - a for a, b in comm) / 1e3, hidden / 1e3)
+
+
 def overlap_us(events: list[dict]) -> float:
-    """Total time during which a comm span and a compute span run at once (µs)."""
-    comp = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "comm"]
-    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in comp for b0, b1 in comm)
+    """Total time during which a collective is in flight and a layer computes (µs)."""
+    return overlap(events).hidden_ms * 1e3
 
 
-# each stream's colour in two tones, alternating bucket by bucket so neighbouring spans stay apart
-COLORS = {"compute": ("#4c8fd6", "#a9cdf2"), "comm": ("#f28e2b", "#ffd1a1")}
+# what each kind of span is called in the legend, by the prefix of its name (a compute span without one is a
+# layer's backward)
+KINDS = {"forward ": "F forward", "reduce-scatter ": "RS reduce-scatter", "all-gather ": "AG all-gather"}
+
+
+def legend(events: list[dict]) -> str:
+    """The abbreviations used in the bars' labels, for the kinds of span present only."""
+    present = [text for prefix, text in KINDS.items() if any(e["name"].startswith(prefix) for e in events)]
+    return ", ".join(present) if present else "no spans"
+
+
+# a colour per kind of span (compute; reduce-scatter; all-gather) in two tones, alternating bucket by bucket so
+# neighbouring spans stay apart
+COLORS = {"compute": ("#4c8fd6", "#a9cdf2"), "reduce-scatter": ("#f28e2b", "#ffd1a1"),
+          "all-gather": ("#59a14f", "#b5dcae")}
+
+
+def colors(e: dict) -> tuple[str, str]:
+    return COLORS["compute"] if e["tid"] == "compute" else COLORS.get(e["name"].split()[0], COLORS["reduce-scatter"])
 
 
 def long_name(name: str) -> str:
@@ -109,9 +172,9 @@ def label_span(ax, renderer, x0: float, width: float, y: float, height: float, n
 
 
 def micro_steps(events: list[dict]) -> list[float]:
-    """Start times (µs) of the backward passes in the trace: each begins with the bucket that began the first
-    (the final layernorm's), so K micro-steps give K starts."""
-    comp = [e for e in events if e["tid"] == "compute"]
+    """Start times (µs) of the micro-steps in the trace: each begins with the compute span that began the first
+    (stage 2: the final layernorm's backward; stage 3: block 0's forward), so K micro-steps give K starts."""
+    comp = sorted((e for e in events if e["tid"] == "compute"), key=lambda e: e["ts"])
     return [e["ts"] for e in comp if e["name"] == comp[0]["name"]] if comp else []
 
 
@@ -132,12 +195,25 @@ def gathers_ahead(events: list[dict]) -> tuple[int, int]:
     return ahead, total
 
 
-def plot_png(events: list[dict], path: str, title: str) -> None:
-    save_png(timeline_figure(events, title), path)
+def plot_png(events: list[dict], path: str, title: str, streams: bool = True) -> None:
+    save_png(timeline_figure(events, title, streams), path)
 
 
-def timeline_figure(events: list[dict], title: str):
-    """The spans as bars, one row per stream, each named where its bar has room; micro-steps marked."""
+def lanes(spans: list[dict]) -> dict[int, tuple[int, int]]:
+    """Spans of one row that overlap in time (collectives in flight together) go into lanes, stacked: id(span) ->
+    (its lane, the row's number of lanes). Each span takes the first lane free at its start."""
+    ends: list[float] = []
+    lane = {}
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        i = next((i for i, t in enumerate(ends) if t <= e["ts"]), len(ends))
+        ends[i:i + 1] = [e["ts"] + e["dur"]]
+        lane[id(e)] = i
+    return {k: (i, len(ends)) for k, i in lane.items()}
+
+
+def timeline_figure(events: list[dict], title: str, streams: bool = True):
+    """The spans as bars, one row per stream (streams=False: the host's layers and MPI's collectives in flight),
+    spans in flight together stacked in lanes; each named where its bar has room; micro-steps marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -147,9 +223,10 @@ def timeline_figure(events: list[dict], title: str):
     end = max((e["ts"] + e["dur"] for e in events), default=1.0)
     ax.set_xlim(-0.01 * (end - t0) / 1e3, 1.01 * (end - t0) / 1e3)
     ax.set_ylim(-0.6, 1.9)
-    ax.set_yticks([0, 1], ["comm stream", "compute stream"])
-    ax.set_xlabel("ms since the step began\nnames where a bar has room: RS = reduce-scatter, 6 = block 6, emb = "
-                  "embeddings, lnf = final layernorm;\nRS/AG/F as in the title (the .json in ui.perfetto.dev names "
+    ax.set_yticks([0, 1], ["comm stream", "compute stream"] if streams else ["collectives\nin flight",
+                                                                             "layers\ncomputing"])
+    ax.set_xlabel("ms since the step began\nnames where a bar has room: 6 = block 6, emb = embeddings, lnf = "
+                  "final layernorm;\nRS/AG/F as in the title (the .json in ui.perfetto.dev names "
                   "every span)", fontsize=9)
     ax.set_title(title, fontsize=9)
     if not events:
@@ -169,12 +246,16 @@ def timeline_figure(events: list[dict], title: str):
                     break
                 t.remove()
     bucket_index: dict[str, int] = {}
+    lane = {**lanes([e for e in events if e["tid"] == "compute"]), **lanes([e for e in events if e["tid"] == "comm"])}
     for e in events:
-        y, bucket = rows[e["tid"]], e["name"].split()[-1]
-        tone = COLORS[e["tid"]][bucket_index.setdefault(bucket, len(bucket_index)) % 2]
+        bucket = e["name"].split()[-1]
+        tone = colors(e)[bucket_index.setdefault(bucket, len(bucket_index)) % 2]
+        i, n = lane[id(e)]
+        h = 0.8 / n
+        y = rows[e["tid"]] + 0.4 - (i + 0.5) * h             # lane 0 on top
         x0, w = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
-        ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=tone, edgecolors="black", linewidth=0.5)
-        label_span(ax, renderer, x0, w, y, 0.8, e["name"])
+        ax.broken_barh([(x0, w)], (y - h / 2, h), facecolors=tone, edgecolors="black", linewidth=0.5)
+        label_span(ax, renderer, x0, w, y, h, e["name"])
     return fig
 
 

@@ -234,6 +234,8 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
             if sample:
                 log.sample(run.sampler.text(run.zero.pviews))
             out, seconds = run.timed_step(step, trace=cfg.trace if step == traced else None)
+            if cfg.trace and step == traced:
+                log.say(f"timeline {cfg.trace} (and .png), step {step}: {run.tracer.measured}")
             why = run.guards.diverged(step, out["loss"], out["grad_norm"])
             if why:
                 stop(why)

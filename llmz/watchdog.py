@@ -9,7 +9,9 @@ as PyTorch's NCCL watchdog and DeepSpeed's timeouts do:
         finish a collective in microseconds), then yielding the core between tests (free cores: the yield
         returns at once; a rank sharing its core with a peer, or with NumPy's threads, lets them run), then,
         past a second, sleeping 1 ms between tests (a peer writing a checkpoint). On expiry: one line, then
-        MPI_Abort, which ends every rank.
+        MPI_Abort, which ends every rank. ZeRO stages 2 and 3 leave their collectives in flight while backward
+        computes (llmz.comm's start_reduce_scatter, start_all_gather): each is numbered as it is posted and
+        waited on the same way, oldest first, when the rank needs its result.
   nccl  NCCL enqueues a kernel and returns at once; the wait happens on the GPU. A CUDA event is recorded after
         each collective on the comm stream, and a thread on the host (`NcclWatchdog`) queries the oldest one
         against the deadline; on expiry it aborts the communicator (ncclCommAbort: NCCL's kernels give up),
@@ -140,9 +142,12 @@ class Watch:
         self.board[DONE] = seq
 
     # ---- MPI: a non-blocking collective waited on with a deadline -----------------------------------------
-    def wait(self, op: str, request) -> None:
-        """Wait for the MPI request of collective `op` (just posted), within the deadline."""
-        seq = self.begin(op)
+    def wait(self, op: str, request, seq: int | None = None) -> None:
+        """Wait for the MPI request of collective `op`, within the deadline (counted from now). seq: its number,
+        when it was begun (numbered) as it was posted, earlier (llmz.comm's non-blocking collectives, in flight
+        while backward computes); None: posted just now, numbered here."""
+        if seq is None:
+            seq = self.begin(op)
         if not request.Test():
             t0 = time.monotonic()
             check = t0 + CHECK_S

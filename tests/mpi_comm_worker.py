@@ -9,6 +9,9 @@
     mpiexec -n N python tests/mpi_comm_worker.py freeze --timeout S
         the last rank stops itself (SIGSTOP) during a loop of collectives, after printing `freezing at T`
         (time.time()): the others' watchdog must end the job, naming it, within S + 10 s
+    mpiexec -n N python tests/mpi_comm_worker.py freeze --started --timeout S
+        the same with a reduce-scatter started (start_reduce_scatter) each step: the last rank stops with it in
+        flight, the others wait for it
     mpiexec -n N python tests/mpi_comm_worker.py vanish
         the last rank exits (status 0, no MPI_Finalize) during a loop of collectives: the others must name it
     python tests/mpi_comm_worker.py hang --device gpu --comm nccl --timeout S
@@ -26,6 +29,7 @@ import time
 
 import numpy as np
 
+from llmz import watchdog
 from llmz.comm import bf16_to_f32, f32_to_bf16, make_communicator
 from llmz.device import Device
 from llmz.errors import LlmzError
@@ -98,6 +102,31 @@ class Checker:
         self.comm.all_gather(buf, src=src)
         assert np.array_equal(self.host(buf), full), f"all_gather {np.dtype(dtype)} from src: not every slice arrived"
 
+    def started(self, dtype, n: int) -> None:
+        """start_reduce_scatter / start_all_gather: three in flight at once, progressed, the newest waited for
+        (which waits for the older ones too): every request done, the same bits as the blocking calls."""
+        xs = [x.astype(np.float32) for x in rank_inputs(self.n * n, self.n)]
+        xs = [f32_to_bf16(x) for x in xs] if dtype == np.uint16 else [x.astype(dtype) for x in xs]
+        blocking = self.on_device(xs[self.r])
+        self.comm.reduce_scatter(blocking, "avg")
+        full = np.concatenate([xs[r][r * n:(r + 1) * n] for r in range(self.n)])    # rank r's slice r, in order
+        bufs = [self.on_device(xs[self.r]) for _ in range(2)]
+        gathered = self.on_device(np.zeros_like(full))
+        requests = [self.comm.start_reduce_scatter(bufs[0], "avg"),
+                    self.comm.start_all_gather(gathered, src=self.on_device(full[self.r * n:(self.r + 1) * n])),
+                    self.comm.start_reduce_scatter(bufs[1], "avg")]
+        self.comm.progress()
+        requests[-1].wait()
+        assert all(r.done for r in requests), "waiting for the newest left an older collective in flight"
+        mine = slice(self.r * n, (self.r + 1) * n)
+        for buf in bufs:
+            assert np.array_equal(self.host(buf)[mine], self.host(blocking)[mine]), \
+                f"started reduce_scatter {np.dtype(dtype)}: not the blocking call's bits"
+        assert np.array_equal(self.host(gathered), full), f"started all_gather {np.dtype(dtype)}: wrong"
+        if self.comm.name == "mpi":         # every collective numbered and finished, in order, on the board
+            watch = self.comm.watch
+            assert watch.board[watchdog.DONE] == watch.board[watchdog.POSTED] == watch.seq, list(watch.board)
+
     def broadcast(self, dtype, size: int) -> None:
         xs = [x.astype(dtype) for x in rank_inputs(size, self.n)]
         for root in sorted({0, self.n - 1}):
@@ -156,6 +185,8 @@ def collectives(ranks, args) -> None:
         check.reduce_scatter(dtype, 5)
         check.all_gather(dtype, 3)
         check.broadcast(dtype, 7)
+    for dtype in (np.float64, np.float32, np.uint16):
+        check.started(dtype, 5000)          # 40 kB a rank in float64: past MPICH's eager limit
     check.bf16(9)
     check.counters()
     comm.close()
@@ -191,14 +222,19 @@ def killed(ranks, args) -> None:
 
 
 def frozen(ranks, args) -> None:
+    """--started: each step starts a reduce-scatter, works, then waits for it (ZeRO-2 on CPU ranks); the last
+    rank stops with it in flight."""
     comm = make_communicator("auto", ranks, Device("cpu", np.float64))
-    buf = np.ones(4096)
+    buf = np.ones(4096 if not args.started else 1 << 20)
     for step in range(10**9):
         comm.watch.step = step
-        comm.all_reduce(buf, "avg")
+        request = comm.start_reduce_scatter(buf, "avg") if args.started else comm.all_reduce(buf, "avg")
         if ranks.rank == ranks.world_size - 1 and step == 20:
             print(f"rank {ranks.rank}: freezing at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if args.started:
+            comm.progress()
+            request.wait()
 
 
 def vanishing(ranks, args) -> None:
@@ -249,6 +285,7 @@ def main() -> None:
     p.add_argument("--comm", default="auto")
     p.add_argument("--error", default="llmz", choices=("llmz", "value"))
     p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--started", action="store_true", help="freeze: with a started collective in flight")
     args = p.parse_args()
     ranks = init_ranks(collective_timeout=args.timeout)
     with abort_on_error(ranks):

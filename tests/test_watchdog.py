@@ -6,6 +6,7 @@ The bounds are generous on purpose: the 2-core CI machine runs these ranks besid
 checked is "ends, one line per surviving rank, naming the stopped rank", never a time to the millisecond."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,23 @@ def test_a_frozen_rank_is_named_by_every_other_and_the_job_ends_within_the_timeo
         assert f"all_reduce #45 at step 21 did not complete within --collective-timeout {TIMEOUT} s: rank {frozen} " \
                f"(it stopped after all_reduce #44 at step 20; its process, pid " in line, line
         assert line.endswith("is stopped: SIGSTOP, or a debugger) did not arrive"), line
+    froze = float(p.stdout.split("freezing at ")[1].split()[0])
+    assert ended - froze < TIMEOUT + SLACK, f"ended {ended - froze:.1f} s after the freeze"
+
+
+@pytest.mark.mpi
+def test_a_rank_frozen_with_a_started_collective_in_flight_is_named_and_the_job_ends_within_the_timeout():
+    """ZeRO-2 on CPU ranks leaves reduce-scatters in flight while backward computes: the one the others wait
+    for is numbered from when it was started, and the rank that stopped after starting it is "inside it"."""
+    p = run_mpi(2, [WORKER, "freeze", "--started", "--timeout", str(TIMEOUT)], timeout=120)
+    ended = time.time()
+    lines = llmz_lines(p.stderr)
+    print(p.stdout, p.stderr)
+    assert p.returncode == TIMEOUT_EXIT, p.stderr
+    assert len(lines) == 1 and lines[0].startswith("rank 0: error: collective watchdog: reduce_scatter #"), lines
+    assert re.search(rf"reduce_scatter #(\d+) at step 2[01] did not complete within --collective-timeout {TIMEOUT} "
+                     r"s: rank 1 \(it stopped (inside it|inside reduce_scatter #\d+ at step 20); its process, pid "
+                     r"\d+, is stopped: SIGSTOP, or a debugger\) did not arrive$", lines[0]), lines[0]
     froze = float(p.stdout.split("freezing at ")[1].split()[0])
     assert ended - froze < TIMEOUT + SLACK, f"ended {ended - froze:.1f} s after the freeze"
 

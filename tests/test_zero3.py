@@ -230,7 +230,7 @@ def test_captured_regions_wait_only_on_events_recorded_inside_them_and_end_joine
             log.append(("collective", name, "comm"))
             return real(*args, **kw)
         return collective
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "start_reduce_scatter", "start_all_gather"):
         monkeypatch.setattr(run.comm, name, logged(name, getattr(run.comm, name)))
     run.next_batch(run.train_loader, backward=True)
     run.zero.set_scalars(0)                             # outside the captured update, as in llmz.train

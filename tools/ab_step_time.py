@@ -3,7 +3,7 @@
     python tools/ab_step_time.py BEFORE_TREE AFTER_TREE [--rounds 3] [--launch "mpiexec -n 2"] -- TRAIN FLAGS
 
 BEFORE_TREE and AFTER_TREE are folders holding an llmz checkout (`git archive <commit> | tar -x -C DIR` makes
-one of any commit). Each round runs the train command once from each tree (PYTHONPATH pointing at it), in
+one of any commit); each run starts inside its tree (relative paths in TRAIN FLAGS are read there). Each round runs the train command once from each tree (PYTHONPATH pointing at it), in
 alternation so that both see the same machine; the per-step times come from the run's --log (the first step,
 which compiles, left out). Prints, per run, the min, 10th percentile and median ms/step, and at the end the
 median over rounds of each tree's median and their ratio (after / before).
@@ -24,8 +24,10 @@ import numpy as np
 
 def step_ms(tree: str, launch: list[str], flags: list[str], log: str) -> np.ndarray:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    cmd = [*launch, sys.executable, "-m", "llmz.train", *flags, "--log", log]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    cmd = [*launch, sys.executable, "-m", "llmz.train", *flags, "--log", os.path.abspath(log)]
+    # run inside the tree: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH, so
+    # started from a checkout both runs would import that checkout's llmz
+    p = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
     if p.returncode != 0:
         sys.exit(f"{shlex.join(cmd)} (PYTHONPATH={tree}) exited {p.returncode}:\n{p.stderr[-2000:]}")
     with open(log) as f:

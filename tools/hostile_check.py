@@ -120,6 +120,29 @@ def ranks_train(n: int, stage: int, *flags: str) -> list[str]:
                                             "--collective-timeout", str(WATCH_TIMEOUT), *flags)]
 
 
+# llmz.train as every rank runs it, but the last rank stops itself (SIGSTOP) the moment it has started a
+# reduce-scatter that is still in flight (ZeRO-2 on CPU ranks starts one as each block's backward ends and waits
+# for it only when the slot is reused), from step 12 on: frozen with a started collective in flight, every time
+STOP_IN_FLIGHT = """import os, runpy, signal
+from llmz import comm
+started = comm.Communicator.start_reduce_scatter
+def start_reduce_scatter(self, buf, op="avg"):
+    request = started(self, buf, op)
+    if self.rank == self.world_size - 1 and self.watch.step >= 12 and not request.done:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return request
+comm.Communicator.start_reduce_scatter = start_reduce_scatter
+runpy.run_module("llmz.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def ranks_train_stopping_in_flight(n: int, stage: int) -> list[str]:
+    """ranks_train, with the last rank stopping itself while a reduce-scatter it started is in flight."""
+    cmd = ranks_train(n, stage)
+    at = cmd.index("-m")
+    return [*cmd[:at], "-c", STOP_IN_FLIGHT, *cmd[at + 2:]]
+
+
 # ---- writing files, good and bad -------------------------------------------------------------------------
 def header(*values: int, dtype: str = "<i4") -> bytes:
     h = np.zeros(256, dtype=dtype)
@@ -423,6 +446,18 @@ def to_rank(rank: int, sig: int, after: int = 12):
     return during
 
 
+def stops_itself(rank: int):
+    """The case's command makes one rank stop itself: return when its process is seen stopped."""
+    def during(proc, d: Path) -> float:
+        while proc.poll() is None:
+            pid = rank_pids(proc.pid).get(rank)
+            if process_state(pid)[0] == "T":
+                break
+            time.sleep(0.05)
+        return time.monotonic()
+    return during
+
+
 def to_process(sig: int, after: int = 12):
     """Once `after` steps are logged, send `sig` to the command (a single-process llmz.train)."""
     def during(proc, d: Path) -> float:
@@ -508,6 +543,7 @@ class Case:
     planted: tuple[str, ...] = ()                 # non-finite files the setup planted on purpose
     during: object = None                         # during(proc, d) while it runs: a fault; returns its time
     ranks: int = 1                                # watchdog: ranks in the job (all but one speak)
+    names: str = ""                               # watchdog: what the line must also say (a regex), if anything
     bound: float = 10.0                           # watchdog, ends, signal: seconds from the fault to the end
 
 
@@ -774,6 +810,10 @@ def cases() -> list[Case]:
             add(f"watchdog: {n} ranks, stage {stage}, one rank stopped (SIGSTOP)", ranks_train(n, stage), "watchdog",
                 during=to_rank(n - 1, signal.SIGSTOP), ranks=n, bound=WATCH_TIMEOUT + 10,
                 checks=[checkpoint_loads], timeout=300)
+    add("watchdog: 2 ranks, stage 2, one rank stopped (SIGSTOP) with a reduce-scatter it started in flight",
+        ranks_train_stopping_in_flight(2, 2), "watchdog", during=stops_itself(1), ranks=2, bound=WATCH_TIMEOUT + 10,
+        names=r": reduce_scatter #\d+ .*rank 1 \(it stopped inside (it|reduce_scatter #\d+ at step \d+);",
+        checks=[checkpoint_loads], timeout=300)
     add("watchdog: 3 ranks, stage 2, rank 0 stopped", ranks_train(3, 2), "watchdog", during=to_rank(0, signal.SIGSTOP),
         ranks=3, bound=WATCH_TIMEOUT + 10, checks=[checkpoint_loads], timeout=300)
     add("watchdog: 2 ranks, stage 2, bf16, one rank stopped", ranks_train(2, 2, "--precision", "bf16"), "watchdog",
@@ -837,6 +877,8 @@ def judge_fault(case: Case, rc: int, err_lines: list[str], took: float | None) -
             return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
         if len(err_lines) != case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
             return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
+        if not all(re.search(case.names, line) for line in err_lines):
+            return "WRONG", f"the line does not say /{case.names}/: {err_lines[0]}"
         return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
     if case.expect == "ends":
         return ("OK", f"exit {rc} {took:.1f} s after the kill" + (f": {err_lines[0]}" if err_lines else "")) \

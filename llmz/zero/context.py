@@ -8,8 +8,6 @@ event again moves it (a wait uses the latest record at the time of the call).
 """
 from __future__ import annotations
 
-import contextlib
-
 from ..layout import Layout
 
 
@@ -53,12 +51,7 @@ class Context:
         if self.tracer:
             self.tracer.begin(name, stream)
 
-    def end(self, name: str, stream: str) -> None:
+    def end(self, name: str, stream: str, at: float | None = None) -> None:
+        """at: when it ended, if not now (an MPI collective that this rank saw complete earlier)."""
         if self.tracer:
-            self.tracer.end(name, stream)
-
-    @contextlib.contextmanager
-    def span(self, name: str, stream: str):
-        self.begin(name, stream)
-        yield
-        self.end(name, stream)
+            self.tracer.end(name, stream, at)

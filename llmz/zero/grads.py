@@ -10,12 +10,18 @@ L-1 ... block 0, the embeddings last), and how they become the average over rank
                     layernorm into buffers of their own); when block l is done the comm stream reduce-scatters
                     the slot, and one kernel adds my part into the shard and zeroes the slot, while block l-1's
                     backward fills the other slot. Every micro-step reduce-scatters (K micro-steps: K times).
+                    On CPU ranks (MPI on host memory) there is no comm stream: the reduce-scatter is started
+                    (non-blocking) and left in flight while block l-1 computes, progressed at every bucket()
+                    and done(); it is waited for, and my part added, only when block l-2 needs the slot
+                    again, or at the end of backward.
 
 Both answer bucket(b) and done(b) (backward), backward_done() (after each micro-step), reduce() (after the last),
 owned() (the pieces of gradient this rank owns then, for the norm), slice(b, start, end) (the averaged gradient
 AdamW reads), zero() (after the update) and set_micro_step(i).
 """
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -79,6 +85,8 @@ class ShardedGradients:
                  reduce-scatter and the accumulate-and-zero kernel, and records the buffer's `free` event;
       bucket(b)  before backward writes a buffer again (block l-2 reuses block l's slot), the compute stream
                  waits on that event; with --no-overlap it waits at once, in done(b) (the same numbers).
+    MPI on host memory (CPU ranks): done(b) only starts the reduce-scatter; the host waits for it in bucket(b)
+    of the block that reuses the buffer (then accumulates), or in backward_done(); with --no-overlap at once.
     The embeddings' gradient is backward's last (wte starts in the classifier, ends in the encoder); after it,
     backward_done() makes the compute stream wait for the comm stream, so a micro-step ends joined (a captured
     CUDA graph must) and every buffer is free again."""
@@ -100,6 +108,9 @@ class ShardedGradients:
         # the compute stream must wait on before it writes them again
         self.free = {key: dev.event() for key in self.reusable}
         self.pending: set = set()
+        # the reduce-scatters started and not yet accumulated, oldest first: (buffer, bucket, its part of the
+        # buffer, its span on the timeline, the request); only MPI's on host memory stay here past done(b)
+        self.in_flight: deque = deque()
         # the micro-step whose gradients are being accumulated (bf16: the rounding draws), on the device like
         # AdamW's scalars, so a replayed CUDA graph reads the current one (set_micro_step)
         self.micro_step = dev.zeros(1, np.uint64)
@@ -110,29 +121,51 @@ class ShardedGradients:
 
     # ---- backward (llmz.model) ----------------------------------------------------------------------------
     def bucket(self, b: int) -> dict:
-        key = self.buffer_of[b]
+        ctx, key = self.ctx, self.buffer_of[b]
+        ctx.comm.progress()                             # MPI: move the reduce-scatters in flight on
+        self.finish(key)                                # MPI: the buffer's last reduce-scatter, waited for
         if key in self.pending:
             self.pending.discard(key)
-            self.free[key].wait(self.ctx.dev.compute_stream)   # the comm stream has drained and zeroed it
-        self.ctx.begin(self.ctx.layout.buckets[b].name, "compute")
+            self.free[key].wait(ctx.dev.compute_stream)    # the comm stream has drained and zeroed it
+        ctx.begin(ctx.layout.buckets[b].name, "compute")
         return self.views[b]
 
     def done(self, b: int) -> None:
-        """Bucket b's gradients are complete: reduce-scatter it on the comm stream and accumulate my part."""
-        ctx, dev = self.ctx, self.ctx.dev
+        """Bucket b's gradients are complete: start reduce-scattering it (the comm stream; MPI: in flight on the
+        host) and accumulate my part once it has arrived."""
+        ctx = self.ctx
         bucket, key = ctx.layout.buckets[b], self.buffer_of[b]
         buf = self.reusable[key][:bucket.padded_size]
         ctx.end(bucket.name, "compute")
+        ctx.comm.progress()                             # MPI: those in flight, while this block computed
         ctx.comm_waits_for_compute()
-        with ctx.span(f"reduce-scatter {bucket.name}", "comm"):
-            ctx.comm.reduce_scatter(buf, op="avg")
-            self.accumulate(bucket, buf)
+        span = f"reduce-scatter {bucket.name}"
+        ctx.begin(span, "comm")
+        request = ctx.comm.start_reduce_scatter(buf, op="avg")
+        self.in_flight.append((key, bucket, buf, span, request))
         self.reduce_scatters_in_backward += 1
-        self.free[key].record(dev.comm_stream)
-        if ctx.overlap:
-            self.pending.add(key)                       # compute waits only before it reuses the buffer
-        else:
-            self.free[key].wait(dev.compute_stream)     # serialised: compute waits right away
+        if request.done or not ctx.overlap:             # done: NCCL's is on the comm stream, local's is nothing
+            self.finish(key)
+
+    def finish(self, key: str) -> None:
+        """If buffer `key` has a reduce-scatter not yet accumulated: wait for it and every one started before it
+        (MPI: within the deadline), and for each add my part into the shard and zero the buffer (the comm
+        stream), then record the buffer's `free` event."""
+        if all(k != key for k, *_ in self.in_flight):
+            return
+        ctx, dev = self.ctx, self.ctx.dev
+        while True:
+            k, bucket, buf, span, request = self.in_flight.popleft()
+            request.wait()
+            self.accumulate(bucket, buf)
+            ctx.end(span, "comm", at=request.completed_at)     # MPI: where this rank saw it complete
+            self.free[k].record(dev.comm_stream)
+            if ctx.overlap:
+                self.pending.add(k)                     # compute waits only before it reuses the buffer
+            else:
+                self.free[k].wait(dev.compute_stream)   # serialised: compute waits right away
+            if k == key:
+                return
 
     def accumulate(self, bucket, buf) -> None:
         """shard += my averaged slice of buf, and buf = 0: one kernel, on the comm stream."""
@@ -149,7 +182,10 @@ class ShardedGradients:
             ctx.kernels.accumulate_shard(ctx.dev, mine, buf, ctx.rank, stream=ctx.dev.comm_stream)
 
     def backward_done(self) -> None:
-        """The compute stream waits for the last reduce-scatter of this micro-step (the embeddings')."""
+        """The compute stream waits for the last reduce-scatter of this micro-step (the embeddings'; MPI: the host
+        waits for those still in flight and accumulates them)."""
+        while self.in_flight:
+            self.finish(self.in_flight[-1][0])
         self.ctx.compute_waits_for_comm()
         self.pending.clear()
 

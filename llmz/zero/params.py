@@ -25,6 +25,9 @@ parameters), where AdamW writes them (slice(b, start, end)), and how they are wh
        micro-step: with K micro-steps the step's parameters do not change, and every micro-step stays the same
        sequence of calls (one CUDA graph). lnf is 2C values and used at the same two moments: it goes with wte;
     5. AdamW updates my parameter shard; there is no all-gather of everything after the step.
+    On CPU ranks (MPI on host memory) there is no comm stream: a block's gather is started (non-blocking) when
+    it would be enqueued, stays in flight while the block before computes (progressed at every bucket()), and
+    the host waits for it when the model asks for the block.
     Communication per micro-step: 2L block gathers (≈ 2bΨ(N-1)/N) besides the gradients' reduce-scatters,
     plus the embeddings' and lnf's gathers once a step. CUDA graphs: no host synchronisation, no allocation and
     no new event inside a step; the order of the gathers is the same in every micro-step.
@@ -103,6 +106,7 @@ class GatheredParameters:
         self.mine = {b.index: self.param_shard[L.shard_offset(b):L.shard_offset(b) + b.shard_size]
                      for b in L.buckets}
         self.gathered = [dev.event(), dev.event()]     # on the comm stream: slot s holds its block
+        self.in_flight = [None, None]                   # MPI: slot s's gather, (span, request), until waited for
         self.prefetched = None                          # the block whose gather is already under way
         self.in_backward = False                        # between backward's first call and its last
         self.forward_span = None                        # (tracer) the block whose forward is being timed
@@ -117,12 +121,13 @@ class GatheredParameters:
         waits on the gather's event here); starts gathering the block the model will ask for next."""
         ctx = self.ctx
         self.end_forward_span()
+        ctx.comm.progress()                             # MPI: move the gathers in flight on
         if b in self.ends:
             return self.views[b]                        # gathered for the step (gather_after_update)
         layer = b - 1
         if self.prefetched != layer:                    # not gathered ahead (a forward's block 0, --no-overlap)
             self.gather_block(layer)
-        self.gathered[layer % 2].wait(ctx.dev.compute_stream)
+        self.wait_gathered(layer % 2)
         nxt = layer - 1 if self.in_backward else layer + 1
         self.prefetched = None
         if ctx.overlap and 0 <= nxt < ctx.layout.config.num_layers:
@@ -151,17 +156,36 @@ class GatheredParameters:
 
     def gather_block(self, layer: int) -> None:
         """Block `layer`'s parameters into slot layer % 2, on the comm stream, once the compute stream is done
-        with what the slot held (every kernel enqueued so far)."""
+        with what the slot held (every kernel enqueued so far). MPI: in flight until wait_gathered."""
         self.ctx.comm_waits_for_compute()
         bucket = self.ctx.layout.block(layer)
-        self.all_gather(bucket, self.slots[layer % 2][:bucket.padded_size])
+        self.in_flight[layer % 2] = self.start_gather(bucket, self.slots[layer % 2][:bucket.padded_size])
         self.gathered[layer % 2].record(self.ctx.dev.comm_stream)
 
-    def all_gather(self, bucket, buf) -> None:
-        """buf <- bucket's full parameters: every rank contributes its slice from its shard (comm stream)."""
-        with self.ctx.span(f"all-gather {bucket.name}", "comm"):
-            self.ctx.comm.all_gather(buf, src=self.mine[bucket.index])
-            self.all_gathers.append(bucket.name)
+    def wait_gathered(self, slot: int) -> None:
+        """The compute stream waits until slot `slot` holds its block (MPI: the host waits for the gather)."""
+        self.finish_gather(self.in_flight[slot])
+        self.in_flight[slot] = None
+        self.gathered[slot].wait(self.ctx.dev.compute_stream)
+
+    def start_gather(self, bucket, buf):
+        """Start buf <- bucket's full parameters, every rank contributing its slice from its shard (comm stream).
+        Returns (span, request) while it is in flight (MPI on host memory), else None (done: its span ended)."""
+        span = f"all-gather {bucket.name}"
+        self.ctx.begin(span, "comm")
+        request = self.ctx.comm.start_all_gather(buf, src=self.mine[bucket.index])
+        self.all_gathers.append(bucket.name)
+        if not request.done:
+            return span, request
+        self.ctx.end(span, "comm")
+        return None
+
+    def finish_gather(self, started) -> None:
+        """Wait for a gather start_gather left in flight (within the deadline); its span ends where it completed."""
+        if started is not None:
+            span, request = started
+            request.wait()
+            self.ctx.end(span, "comm", at=request.completed_at)
 
     def end_forward_span(self) -> None:
         if self.forward_span:
@@ -179,7 +203,7 @@ class GatheredParameters:
         ctx = self.ctx
         ctx.comm_waits_for_compute()                    # the comm stream waits for the AdamW kernels
         for b in self.ends:
-            self.all_gather(ctx.layout.buckets[b], self.ends[b])
+            self.finish_gather(self.start_gather(ctx.layout.buckets[b], self.ends[b]))
         ctx.compute_waits_for_comm()
 
     def full_parameters(self) -> np.ndarray:
@@ -191,7 +215,7 @@ class GatheredParameters:
                 buf = self.ends[b.index]
             else:
                 self.gather_block(b.index - 1)
-                self.gathered[(b.index - 1) % 2].wait(dev.compute_stream)
+                self.wait_gathered((b.index - 1) % 2)
                 buf = self.slots[(b.index - 1) % 2]
             out[b.offset:b.offset + b.padded_size] = dev.to_host(buf[:b.padded_size])
         return out
