@@ -2,8 +2,8 @@
 
 NumPy's BLAS (OpenBLAS in NumPy's wheels) starts a thread per core in every process. With N ranks on one
 host every rank's pool takes every core: N x cores busy-waiting threads on `cores` cores (2 ranks of the
-default run on 2 cores: 1,217 ms a step, against 282 ms with one thread a rank). So each rank gets
-max(1, cores // ranks on this host) threads. threadpoolctl sets
+default run on 2 cores: 275 ms a step, against 112 ms with one thread a rank and 83.5 ms for one rank alone
+with half the tokens: README). So each rank gets max(1, cores // ranks on this host) threads. threadpoolctl sets
 the size of the pools of the BLAS and OpenMP libraries already loaded (llmz.train imports NumPy before it
 knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment is kept.
 
