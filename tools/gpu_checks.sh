@@ -164,10 +164,10 @@ if [[ $what == verify ]]; then
   # the library redesign, ZeRO as parts, flash from device functions, the watchdog, --recompute: their GPU
   # tests, the graphed stage-2 probe, then the step's speed against the tree before them (within 2%: issue 27)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  run timeout 300 $py -m pytest -q -s -p no:cacheprovider -m gpu -rfE tests/test_graph.py tests/test_kernel_sets.py \
-    tests/test_reliability.py tests/test_zero3.py tests/test_watchdog.py tests/test_comm.py \
-    tests/test_flash_attention.py tests/test_recompute.py tests/test_bf16_train.py 2>&1 | tee "$OUT/verify_tests.txt" \
-    | grep -E "worst|passed|failed|FAILED|ERROR" | head -40
+  run timeout 330 $py -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_graph.py tests/test_kernel_sets.py \
+    tests/test_reliability.py tests/test_zero.py tests/test_zero3.py tests/test_watchdog.py tests/test_comm.py \
+    tests/test_flash_attention.py tests/test_recompute.py tests/test_bf16_train.py tests/test_model.py \
+    tests/test_fast_*.py 2>&1 | tee "$OUT/verify_tests.txt" | grep -E "passed|failed|FAILED|ERROR" | head -40
   run timeout 60 $py tools/graph_probe.py --all --fixed-only --timeout 20 2>&1 | tail -4
   B=(--device gpu --model d12 --vocab-size 50257 -b 16 -t 1024 --precision bf16 --steps 30 --val-every 0 --val-data "" --sample-tokens 0 --quiet)
   [[ -d .carry/base ]] && run timeout 200 $py tools/ab_step_time.py .carry/base . --rounds 2 -- "${B[@]}" 2>&1 | tail -3
