@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         with before_any_work():                 # found wrong while reading it: status 2
             _, llmc = load_model(args.init_from)
             T, why = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])
-        print(f"sampling with a window of T={T}, {why}", file=sys.stderr, flush=True)
+        print(f"note: sampling with a window of T={T}, {why}", file=sys.stderr, flush=True)
         layout = Layout(cfg, 1)
         dev = Device(kind, np.float32, kernel_set=args.kernels)
         params = dev.asarray(layout.from_llmc(llmc), np.float32)

@@ -459,7 +459,7 @@ def test_ctrl_c_is_one_line_from_train_and_sample(tmp_path):
     p = interrupt(["-m", "llmz.sample", "--init-from", model, "--tokens", "100000", "--device", "cpu"],
                   lambda: time.time() - t0 > 8)
     window, *rest = [line for line in p.stderr.splitlines() if line]     # the sample's first line, then Ctrl-C's
-    assert window.startswith("sampling with a window of T=")
+    assert window.startswith("note: sampling with a window of T=")
     assert p.returncode == 130 and len(rest) == 1 and rest[0].startswith("interrupted after "), p.stderr
 
 

@@ -71,15 +71,15 @@ def test_sample_states_its_window_first_and_seq_len_overrides_it(tmp_path, rng):
     write_model(tmp_path / "m.bin", rng, seq_len=24)
     p = sample(tmp_path / "m.bin")
     assert p.returncode == 0, p.stderr
-    assert p.stderr.splitlines()[0] == "sampling with a window of T=24, the length the model was trained at"
+    assert p.stderr.splitlines()[0] == "note: sampling with a window of T=24, the length the model was trained at"
     assert p.stdout.startswith("ab")
     p = sample(tmp_path / "m.bin", "--seq-len", 8)
     assert p.returncode == 0, p.stderr
-    assert p.stderr.splitlines()[0] == "sampling with a window of T=8, as --seq-len asks"
+    assert p.stderr.splitlines()[0] == "note: sampling with a window of T=8, as --seq-len asks"
     write_model(tmp_path / "old.bin", rng)                 # an llm.c file: slot 8 is zero
     p = sample(tmp_path / "old.bin")
     assert p.returncode == 0, p.stderr
-    assert p.stderr.splitlines()[0].startswith(f"sampling with a window of T={UNKNOWN_WINDOW_MAX}, the model "
+    assert p.stderr.splitlines()[0].startswith(f"note: sampling with a window of T={UNKNOWN_WINDOW_MAX}, the model "
                                                f"file does not say")
 
 
