@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", action="store_true", help="as in llmz.train: cuBLAS fp32 products in full fp32, not TF32")
     a("--no-cuda-graph", action="store_true", help="as in llmz.train: launch every kernel from Python each step "
       "instead of replaying the step as a CUDA graph")
-    a("--recompute", "-r", type=int, choices=(0, 1, 2), default=0, help="as in llmz.train: 1 recomputes GELU "
-      "in backward, 2 also the layernorms (less activation memory, the same numbers)")
+    a("--recompute", "-r", type=int, choices=(0, 1, 2, 3), default=0, help="as in llmz.train: 1 recomputes GELU "
+      "in backward, 2 also the layernorms, 3 also attention's softmax (less activation memory, the same numbers)")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=None, help="untimed steps first: compilation, CUDA graph capture, caches "

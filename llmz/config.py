@@ -126,7 +126,7 @@ class TrainConfig:
     no_cuda_graph: bool = False
     zero_stage: int = 0                 # 0, 1, 2 or 3 (llmz.zero)
     no_overlap: bool = False
-    recompute: int = 0                  # 0, 1 or 2: what backward recomputes instead of keeping (llmz.model)
+    recompute: int = 0                  # 0-3: what backward recomputes instead of keeping (llmz.model)
     # the model
     model: str | None = None            # a preset of PRESETS
     init_from: str | None = None        # an llm.c model file to start from

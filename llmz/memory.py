@@ -31,14 +31,15 @@ def activation_elements(c: GPT2Config, B: int, T: int, flash: bool = False, reco
     wider: 4 per layer per position, plus 3. Flash attention keeps no T x T buffer (no att, preatt, dpreatt,
     datt) and instead a statistic per layer, head and position (the softmax's logsumexp). recompute (llm.c's
     -r) keeps fewer values per layer: 1 no fch_gelu (4C), 2 no ln1 and ln2 either (2C), and adds one shared
-    4C buffer they are recomputed into."""
+    4C buffer they are recomputed into; 3 also keeps one att (NH*T) for all layers instead of one a layer."""
     C, L, NH, Vp = c.channels, c.num_layers, c.num_heads, c.padded_vocab_size
     square = 0 if flash else NH * T             # att per layer; preatt, dpreatt, datt in the scratch
     kept = 18 * C - (4 * C if recompute >= 1 else 0) - (2 * C if recompute >= 2 else 0)
-    per_layer = kept + square
+    per_layer = kept + (square if recompute < 3 else 0)
     outside = C + C + Vp                        # encoded, lnf, logits (dlogits in place; no probs: fused classifier)
     scratch = 13 * C + 3 * square               # dresidual, dbtc, dqkv, dfch_gelu, dfch, preatt, dpreatt, datt
     scratch += 4 * C if recompute >= 1 else 0   # recomputed: fch_gelu (and ln1, ln2) of one layer at a time
+    scratch += square if recompute >= 3 else 0  # recomputed: att of one layer at a time
     stats = 4 * L + 3 + (L * NH if flash else 0)
     return B * T * (L * per_layer + outside + scratch), B * T * stats
 
@@ -99,7 +100,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def table(rep: dict) -> str:
-    again = {0: "", 1: ", --recompute 1: GELU recomputed", 2: ", --recompute 2: GELU and layernorms recomputed"}
+    again = {0: "", 1: ", --recompute 1: GELU recomputed", 2: ", --recompute 2: GELU and layernorms recomputed",
+             3: ", --recompute 3: GELU, layernorms and attention's softmax recomputed"}
     lines = [f"memory per rank (ZeRO stage {rep['stage']}, {rep['world_size']} ranks{again[rep['recompute']]})",
              f"  {'category':<22}{'predicted':>14}{'measured':>14}"]
     for k in CATEGORIES:

@@ -44,7 +44,8 @@ class FullGrads:
         pass
 
 
-RECOMPUTE = (0, 1, 2)     # llm.c's -r: 0 keep everything, 1 recompute GELU, 2 also the two layernorms a block
+RECOMPUTE = (0, 1, 2, 3)  # llm.c's -r: 0 keep everything, 1 recompute GELU, 2 also the two layernorms a block,
+                          # 3 also attention's (T, T) softmax (no flash: flash keeps none)
 
 
 class Activations:
@@ -53,9 +54,11 @@ class Activations:
     recompute (llm.c's -r) trades memory for a little time: what is recomputed is not kept per layer but
     written, in forward and again in backward just before the op that reads it, into one (B, T, 4C) buffer
     shared by every layer (`recomputed`): 1: fch_gelu = gelu(fch); 2: also ln1 and ln2, from the block's
-    input and residual2 with the mean and rstd kept per layer (the first B*T*C values of the buffer). The same
-    kernel on the same inputs: the same bits as keeping them. ln1_of, ln2_of and fch_gelu_of say where a
-    layer's values are."""
+    input and residual2 with the mean and rstd kept per layer (the first B*T*C values of the buffer). 3 (no
+    llm.c level: its attention keeps no (T, T) matrix) also the attention softmax of the gemm and direct
+    paths, att, recomputed with the layer's forward attention into one (B, NH, T, T) buffer instead of one per
+    layer (flash attention keeps no att: there 3 is 2). The same kernel on the same inputs: the same bits as
+    keeping them. ln1_of, ln2_of, fch_gelu_of and att_of say where a layer's values are."""
 
     def __init__(self, config: GPT2Config, dev, B: int, T: int, recompute: int = 0):
         if recompute not in RECOMPUTE:
@@ -79,7 +82,8 @@ class Activations:
         if flash:
             self.lse = zs((L, B, NH, T))        # log-sum-exp of each row of the attention softmax
         else:
-            self.att = z((L, B, NH, T, T))      # softmax of preatt, causal; zero above the diagonal from here on
+            # softmax of preatt, causal; zero above the diagonal from here on (recompute 3: one layer's)
+            self.att = z((L, B, NH, T, T) if recompute < 3 else (B, NH, T, T))
         self.attproj = z((L, B, T, C))
         self.residual2 = z((L, B, T, C))        # block input + attention branch
         if recompute < 2:
@@ -115,6 +119,10 @@ class Activations:
 
     def ln2_of(self, layer: int):
         return self.ln2[layer] if self.recompute < 2 else self.recomputed_btc()
+
+    def att_of(self, layer: int):
+        """Block `layer`'s attention softmax (B, NH, T, T): kept per layer, or at recompute 3 one buffer."""
+        return self.att[layer] if self.recompute < 3 else self.att
 
     def fch_gelu_of(self, layer: int):
         """Block `layer`'s GELU output (B, T, 4C): kept per layer, or at recompute 1 and 2 the shared buffer."""
@@ -165,7 +173,7 @@ class GPT2:
             if dev.attention == "flash":
                 k.flash_attention_forward(dev, a.atty[layer], a.lse[layer], a.qkv[layer], c.num_heads)
             else:
-                k.attention_forward(dev, a.atty[layer], a.preatt, a.att[layer], a.qkv[layer], c.num_heads,
+                k.attention_forward(dev, a.atty[layer], a.preatt, a.att_of(layer), a.qkv[layer], c.num_heads,
                                     upper_is_zero=True)
             k.matmul_forward(dev, a.attproj[layer], a.atty[layer], w["attprojw"], w["attprojb"])
             k.residual_forward(dev, a.residual2[layer], residual, a.attproj[layer])
@@ -230,7 +238,10 @@ class GPT2:
                 k.flash_attention_backward(dev, a.dqkv, a.dbtc, a.qkv[layer], a.atty[layer], a.lse[layer], NH,
                                            accumulate=False)
             else:
-                k.attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att[layer], NH,
+                if self.recompute >= 3:     # att again, as forward made it (atty rewritten with its own bits)
+                    k.attention_forward(dev, a.atty[layer], a.preatt, a.att_of(layer), a.qkv[layer], NH,
+                                        upper_is_zero=True)
+                k.attention_backward(dev, a.dqkv, a.dpreatt, a.datt, a.dbtc, a.qkv[layer], a.att_of(layer), NH,
                                      accumulate=False, upper_is_zero=True)
             if self.recompute >= 2:
                 k.layernorm_forward(dev, a.ln1_of(layer), a.ln1_mean[layer], a.ln1_rstd[layer], residual,

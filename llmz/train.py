@@ -54,9 +54,10 @@ def device_flags(a) -> None:
       "backward; 3: the parameters sharded too, each block all-gathered just before it runs")
     a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
       "(stage 3: and gather each block's parameters only when it runs, no prefetch)")
-    a("--recompute", "-r", type=int, choices=(0, 1, 2), help="llm.c's -r: less activation memory for a little "
+    a("--recompute", "-r", type=int, choices=(0, 1, 2, 3), help="llm.c's -r: less activation memory for a little "
       "time, the same numbers. 0: keep every activation; 1: recompute GELU in backward (its output not kept "
-      "per layer); 2: also the two layernorms of each block (their mean and rstd still kept)")
+      "per layer); 2: also the two layernorms of each block (their mean and rstd still kept); 3: also "
+      "attention's (T, T) softmax, one layer's at a time (--attention gemm or direct; flash keeps none)")
 
 
 def model_and_data_flags(a) -> None:

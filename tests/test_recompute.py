@@ -54,8 +54,8 @@ def test_recompute_gives_the_same_losses_and_gradients_bit_for_bit(rng, kind, pr
         pytest.skip("the simulator runs where there is no GPU (here the kernels' tests run on the GPU)")
     dev = Device(kind, precision, kernel_set=kernels, attention=attention)
     flat = perturbed_parameters(Layout(TINY, 1), dev, rng)
-    # the simulator runs every thread in Python: a smaller batch, and level 2 only (it recomputes both kernels)
-    shape, levels = ((2, 8), (1, 2)) if kind == "cpu" else ((1, 4), (2,))
+    # the simulator runs every thread in Python: a smaller batch, and level 3 only (it recomputes every kernel)
+    shape, levels = ((2, 8), (1, 2, 3)) if kind == "cpu" else ((1, 4), (3,))
     x, y = rng.integers(0, TINY.vocab_size, shape), rng.integers(0, TINY.vocab_size, shape)
     kept = step_bits(dev, 0, flat, x, y)
     assert np.any(kept[2] != 0)                     # the gradients are not trivially zero
@@ -73,7 +73,7 @@ def test_recompute_allocates_what_the_formula_predicts_and_saves_exactly_the_buf
     b = dev.precision.value_bytes
     layout = Layout(cfg, 1)
     allocated, formula = {}, {}
-    for r in (0, 1, 2):
+    for r in (0, 1, 2, 3):
         acts = Activations(cfg, dev, Bb, Tt, recompute=r)
         values, stats = activation_elements(cfg, Bb, Tt, flash, r)
         allocated[r] = acts.nbytes()
@@ -84,10 +84,13 @@ def test_recompute_allocates_what_the_formula_predicts_and_saves_exactly_the_buf
     # 1: fch_gelu (L, B, T, 4C) becomes one (B, T, 4C); 2: ln1 and ln2 (L, B, T, C) go into that same buffer
     assert formula[0] - formula[1] == b * (L - 1) * BT * 4 * C
     assert formula[1] - formula[2] == b * 2 * L * BT * C
+    # 3: att (L, B, NH, T, T) becomes one (B, NH, T, T); flash keeps none, so there 3 is 2
+    NH = cfg.num_heads
+    assert formula[2] - formula[3] == (0 if flash else b * (L - 1) * Bb * NH * Tt * Tt)
     # the other categories do not move
     others = [{k: v for k, v in predicted(layout, 2, Bb, Tt, b, flash, r).items() if k != "activations"}
-              for r in (0, 1, 2)]
-    assert others[0] == others[1] == others[2]
+              for r in (0, 1, 2, 3)]
+    assert others[0] == others[1] == others[2] == others[3]
 
 
 def trainer(kind: str, precision: str, stage: int, recompute: int, steps: int = 2):
@@ -116,7 +119,7 @@ def train_bits(kind: str, precision: str, stage: int, recompute: int, steps: int
 @pytest.mark.parametrize("stage", [0, 2])
 def test_training_with_recompute_repeats_the_run_without_it_bit_for_bit(precision, stage):
     losses0, params0, mem0 = train_bits("cpu", precision, stage, 0)
-    for r in (1, 2):
+    for r in (1, 2, 3):
         losses, params, mem = train_bits("cpu", precision, stage, r)
         assert losses == losses0 and np.array_equal(params, params0), f"recompute {r}"
         assert mem["predicted"]["activations"] < mem0["predicted"]["activations"]
@@ -125,7 +128,7 @@ def test_training_with_recompute_repeats_the_run_without_it_bit_for_bit(precisio
 def test_a_micro_step_with_recompute_allocates_nothing(monkeypatch):
     """What a captured CUDA graph needs (llmz.graph): after the first step, the recomputing micro-step makes no
     buffer (the shared one is made with the activations)."""
-    run = trainer("cpu", "fp32", 2, 2)
+    run = trainer("cpu", "fp32", 2, 3)
     run.step(0)
     made = []
     for name in ("zeros", "empty", "full", "asarray"):
@@ -137,22 +140,22 @@ def test_a_micro_step_with_recompute_allocates_nothing(monkeypatch):
     assert made == []
 
 
-def test_recompute_flag_outside_0_1_2_is_refused_in_one_line():
+def test_recompute_flag_outside_0_to_3_is_refused_in_one_line():
     from llmz.args import check_train_numbers
     from llmz.config import TrainConfig
     from llmz.errors import UsageError
     from llmz.train import parse_args
     with pytest.raises(UsageError, match="--recompute"):
-        parse_args(["--device", "cpu", "--recompute", "3"], kind="cpu")
-    with pytest.raises(UsageError, match="--recompute 3: must be 0, 1 or 2"):
-        check_train_numbers(TrainConfig(recompute=3).for_device("cpu"))
+        parse_args(["--device", "cpu", "--recompute", "4"], kind="cpu")
+    with pytest.raises(UsageError, match="--recompute 4: must be 0, 1, 2 or 3"):
+        check_train_numbers(TrainConfig(recompute=4).for_device("cpu"))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute", [1, 2])
-def test_bf16_graphed_steps_with_recompute_repeat_recompute_0_bit_for_bit_on_the_gpu(recompute):
-    """The fast set on the GPU, bf16 with flash attention, replayed as CUDA graphs: the same losses, norms and
-    parameters."""
-    want = train_bits("gpu", "bf16", 2, 0, steps=3)
-    got = train_bits("gpu", "bf16", 2, recompute, steps=3)
+@pytest.mark.parametrize("precision, recompute", [("bf16", 1), ("bf16", 2), ("fp32", 3)])
+def test_graphed_steps_with_recompute_repeat_recompute_0_bit_for_bit_on_the_gpu(precision, recompute):
+    """The fast set on the GPU, replayed as CUDA graphs (bf16 with flash attention; fp32 with the gemm path,
+    whose att level 3 recomputes): the same losses, norms and parameters."""
+    want = train_bits("gpu", precision, 2, 0, steps=3)
+    got = train_bits("gpu", precision, 2, recompute, steps=3)
     assert got[0] == want[0] and np.array_equal(got[1], want[1])

@@ -175,10 +175,13 @@ if [[ $what == verify ]]; then
 fi
 if [[ $what == verify-speed ]]; then
   # the numbers issue 26 asks for, each pair in one invocation: d12 and d48 bf16 beside torch.compile, with and
-  # without --recompute 2 (its memory against torch.compile's), and fp32 d12 beside eager
+  # without --recompute 2 (its memory against torch.compile's), and fp32 d12 beside eager with and without
+  # --recompute 3 (the gemm path's (T, T) softmax recomputed: its memory against eager's)
   for r in 0 2; do
     run timeout 150 $py -m llmz.bench --precision bf16 --recompute $r --vs-torch compile 2>&1 | grep -v Warn | tee "$OUT/speed_d12_r$r.txt" | tail -8
   done
   run timeout 200 $py -m llmz.bench --precision bf16 --model d48 -b 8 --recompute 2 --vs-torch compile 2>&1 | grep -v Warn | tee "$OUT/speed_d48_r2.txt" | tail -8
-  run timeout 100 $py -m llmz.bench --vs-torch eager 2>&1 | grep -v Warn | tee "$OUT/speed_d12_fp32.txt" | tail -8
+  for r in 0 3; do
+    run timeout 100 $py -m llmz.bench --recompute $r --vs-torch eager 2>&1 | grep -v Warn | tee "$OUT/speed_d12_fp32_r$r.txt" | tail -8
+  done
 fi
