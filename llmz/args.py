@@ -22,7 +22,7 @@ import numpy as np
 
 from . import files
 from .checkpoint import model_config, model_header
-from .config import PRESETS, TrainConfig, default_model, preset
+from .config import PRESETS, RECOMPUTE, TrainConfig, default_model, preset
 from .data import find_token_files, token_count
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, kernel_paths
 from .errors import LlmzError, UsageError
@@ -235,7 +235,7 @@ def check_train_numbers(cfg: TrainConfig) -> None:
     positive(cfg, "collective_timeout")
     need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
-    need(cfg, ["recompute"], lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3")
+    need(cfg, ["recompute"], lambda v: v in RECOMPUTE, "0, 1, 2 or 3")
     check_seed(cfg)
     check_preset(cfg)
     # the parameters move in the optimizer's dtype (bf16: the fp32 master)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import torch_ref
 from .args import Parser, check_bench, check_kernels, check_train
-from .config import TrainConfig, describe_presets, preset
+from .config import RECOMPUTE, TrainConfig, describe_presets, preset
 from .data import write_tokens
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .launch import abort_on_error, init_ranks
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", action="store_true", help="as in llmz.train: cuBLAS fp32 products in full fp32, not TF32")
     a("--no-cuda-graph", action="store_true", help="as in llmz.train: launch every kernel from Python each step "
       "instead of replaying the step as a CUDA graph")
-    a("--recompute", "-r", type=int, choices=(0, 1, 2, 3), default=0, help="as in llmz.train: 1 recomputes GELU "
+    a("--recompute", "-r", type=int, choices=RECOMPUTE, default=0, help="as in llmz.train: 1 recomputes GELU "
       "in backward, 2 also the layernorms, 3 also attention's softmax (less activation memory, the same numbers)")
     a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")

@@ -46,6 +46,10 @@ class GPT2Config:
 # are byte-level, the vocabulary of llmz's default tokenizer. A run whose tokenizer has more tokens widens V
 # to the tokenizer's (model_vocab); --vocab-size sets it outright.
 GPT2_VOCAB, BYTE_VOCAB = 50257, 256
+# --recompute (llm.c's -r), what backward computes again instead of keeping (llmz.model.Activations): 0 keep
+# everything, 1 GELU, 2 also the two layernorms a block, 3 also attention's (T, T) softmax (flash keeps none)
+RECOMPUTE = (0, 1, 2, 3)
+
 PRESETS = {
     "tiny": (2, 2, 16, BYTE_VOCAB),
     "small": (4, 4, 128, BYTE_VOCAB),   # the laptop default: trains on the shipped data in minutes on 2 cores
@@ -126,7 +130,7 @@ class TrainConfig:
     no_cuda_graph: bool = False
     zero_stage: int = 0                 # 0, 1, 2 or 3 (llmz.zero)
     no_overlap: bool = False
-    recompute: int = 0                  # 0-3: what backward recomputes instead of keeping (llmz.model)
+    recompute: int = 0                  # one of RECOMPUTE: what backward recomputes instead of keeping
     # the model
     model: str | None = None            # a preset of PRESETS
     init_from: str | None = None        # an llm.c model file to start from

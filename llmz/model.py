@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import GPT2Config
+from .config import RECOMPUTE, GPT2Config
 from .layout import Layout
 
 
@@ -44,10 +44,6 @@ class FullGrads:
         pass
 
 
-RECOMPUTE = (0, 1, 2, 3)  # llm.c's -r: 0 keep everything, 1 recompute GELU, 2 also the two layernorms a block,
-                          # 3 also attention's (T, T) softmax (no flash: flash keeps none)
-
-
 class Activations:
     """Every activation backward needs (llm.c's ActivationTensors), plus backward's scratch buffers.
 
@@ -62,7 +58,7 @@ class Activations:
 
     def __init__(self, config: GPT2Config, dev, B: int, T: int, recompute: int = 0):
         if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute {recompute}: must be 0, 1 or 2")
+            raise ValueError(f"recompute {recompute}: must be one of {RECOMPUTE}")
         c = config
         L, C, NH, Vp = c.num_layers, c.channels, c.num_heads, c.padded_vocab_size
         z = dev.zeros

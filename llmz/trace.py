@@ -120,11 +120,6 @@ def overlap(events: list[dict]) -> Overlap:
     return Overlap(sum(b - a for a, b in comm) / 1e3, hidden / 1e3)
 
 
-def overlap_us(events: list[dict]) -> float:
-    """Total time during which a collective is in flight and a layer computes (µs)."""
-    return overlap(events).hidden_ms * 1e3
-
-
 # what each kind of span is called in the legend, by the prefix of its name (a compute span without one is a
 # layer's backward)
 KINDS = {"forward ": "F forward", "reduce-scatter ": "RS reduce-scatter", "all-gather ": "AG all-gather"}

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from .args import TRACE_STAGES, Parser, check_train, flag
-from .config import TrainConfig, describe_presets
+from .config import RECOMPUTE, TrainConfig, describe_presets
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
 from .launch import abort_on_error, agree, init_ranks, start_failed
@@ -54,7 +54,7 @@ def device_flags(a) -> None:
       "backward; 3: the parameters sharded too, each block all-gathered just before it runs")
     a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
       "(stage 3: and gather each block's parameters only when it runs, no prefetch)")
-    a("--recompute", "-r", type=int, choices=(0, 1, 2, 3), help="llm.c's -r: less activation memory for a little "
+    a("--recompute", "-r", type=int, choices=RECOMPUTE, help="llm.c's -r: less activation memory for a little "
       "time, the same numbers. 0: keep every activation; 1: recompute GELU in backward (its output not kept "
       "per layer); 2: also the two layernorms of each block (their mean and rstd still kept); 3: also "
       "attention's (T, T) softmax, one layer's at a time (--attention gemm or direct; flash keeps none)")
