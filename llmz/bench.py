@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import torch_ref
+from . import threads, torch_ref
 from .args import Parser, check_bench, check_kernels, check_train
 from .config import RECOMPUTE, TrainConfig, describe_presets, preset
 from .data import write_tokens
@@ -73,11 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
       "cuBLAS call: each kernel's time per step, its share, and the TFLOP/s or GB/s it reached against the "
       "card's ceilings (GPU only)")
     a("--vs-torch", nargs="?", const="eager", default=None, choices=("eager", "compile", "both"),
-      help="after llmz, a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer "
-      "(llmz.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
-      "ms, tokens/s, peak memory and the ratio (default: not run)")
+      help="beside llmz, a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer "
+      "(llmz.torch_ref: SDPA, fused AdamW, autocast bf16) on the same device (a CPU: with as many threads "
+      "as llmz's BLAS pool), eager (the default), torch.compile'd, or both: its ms, tokens/s, peak memory "
+      "(GPU) and the ratio (default: not run)")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
+    a("--rounds", type=int, default=None, help="--vs-torch: llmz and PyTorch take turns, this many rounds of "
+      "--steps steps each, so whatever else runs on the machine slows both alike; the medians are over every "
+      "round, and each round's ratio is shown (default: 3 on cpu, 1 on gpu)")
     a("--layer", default=None, metavar="NAME", help="instead of the step, one layer's teaching and fast "
       "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench_layers): error against "
       "the NumPy reference, us per call, GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, "
@@ -94,6 +98,7 @@ def fill_defaults(args, kind: str) -> None:
     args.seq_len = args.seq_len or T
     args.warmup = warmup if args.warmup is None else args.warmup
     args.steps = args.steps or steps
+    args.rounds = args.rounds or (3 if kind == "cpu" else 1)
 
 
 def make_run(args, kind: str, data_path: str, stage: int):
@@ -103,7 +108,7 @@ def make_run(args, kind: str, data_path: str, stage: int):
                       attention=args.attention, no_tf32=args.no_tf32, no_cuda_graph=args.no_cuda_graph,
                       zero_stage=stage, model=args.model, vocab_size=args.vocab_size, train_data=data_path,
                       recompute=args.recompute, val_data="", batch_size=args.batch_size, seq_len=args.seq_len,
-                      steps=args.warmup + args.steps + 1, lr=3e-4, warmup_steps=0, quiet=True)
+                      steps=args.warmup + args.steps * args.rounds + 1, lr=3e-4, warmup_steps=0, quiet=True)
     cfg = cfg.for_device(kind)
     check_train(cfg, kind)
     return Trainer(cfg, kind, init_ranks())
@@ -180,8 +185,19 @@ def per_kernel(run, step: int, precision: str) -> str:
     return "\n".join(lines)
 
 
-def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
-    """Warm up, then time args.steps steps of `stage`; prints its lines and returns its row."""
+def time_steps(run, first: int, n: int) -> tuple[list[float], dict]:
+    """Steps first .. first + n - 1 of an llmz run: (seconds each, the last step's output)."""
+    times = []
+    for i in range(first, first + n):
+        t0 = time.perf_counter()
+        out = run.step(i)          # ends with the host reading the loss and the norm: a full sync
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def bench_stage(args, kind: str, cfg, path: str, stage: int, keep: bool = False) -> dict:
+    """Warm up, then time args.steps steps of `stage`; prints its lines and returns its row (keep: with the
+    run in it, still open, for the rounds beside PyTorch)."""
     B, T = args.batch_size, args.seq_len
     run = make_run(args, kind, path, stage)
     dev = run.dev
@@ -195,16 +211,12 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     for i in range(args.warmup):
         run.step(i)
     dev.synchronize()
-    times = []
-    for i in range(args.warmup, args.warmup + args.steps):
-        t0 = time.perf_counter()
-        out = run.step(i)          # ends with the host reading the loss and the norm: a full sync
-        times.append(time.perf_counter() - t0)
+    times, out = time_steps(run, args.warmup, args.steps)
     ms = float(np.median(times)) * 1e3
     tps = B * T / (ms / 1e3)
     util = mfu(tps, cfg, T, dev, args.precision)
     row = {"stage": stage, "ms": ms, "tokens_per_s": tps, "mfu": util, "loss": out["loss"],
-           "graphs": run.graphs.enabled, "gib": None}
+           "graphs": run.graphs.enabled, "gib": None, "times": times}
     print(f"  training step {ms:9.2f} ms (median of {args.steps}) {tps:12,.0f} tokens/s"
           + (f"   MFU {util * 100:.1f}%" if util is not None else "") + f"   loss {out['loss']:.4f}")
     held = ""
@@ -218,6 +230,9 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     if args.per_kernel:
         print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
               else "per kernel: needs a GPU (CUDA events)")
+    if keep:
+        row["run"] = run
+        return row
     run.comm.close()
     del run
     if kind == "gpu":                  # the next stage starts from an empty pool, as a fresh process would
@@ -225,6 +240,64 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
         gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
     return row
+
+
+def vs_torch(args, kind: str, cfg, row: dict) -> None:
+    """PyTorch beside llmz's run in `row` (still open): the same model, shapes, precision and optimizer
+    (llmz.torch_ref), on the same device, a CPU with as many threads as llmz's BLAS pool. The two take turns,
+    args.rounds rounds of args.steps steps each (llmz's first round is the one bench_stage timed), and each
+    prints the median over all rounds and the ratio of every round."""
+    run, B, T, steps = row.pop("run"), args.batch_size, args.seq_len, args.steps
+    modes = ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,)
+    try:
+        import torch
+    except ModuleNotFoundError:
+        print("  PyTorch: not installed (pip install torch), nothing to compare")
+        return
+    if args.precision not in torch_ref.PRECISIONS:
+        print(f"  PyTorch: llmz.torch_ref trains {' or '.join(torch_ref.PRECISIONS)}, not {args.precision}")
+        return
+    pool = max(threads.pool_sizes().values(), default=1) if kind == "cpu" else None
+    torch_runs = {}
+    for mode in modes:
+        try:
+            t = torch_ref.TorchRun(cfg, B, T, args.precision, args.torch_attention, device="cuda" if kind == "gpu"
+                                   else "cpu", compile=mode == "compile", threads=pool)
+            for _ in range(max(args.warmup, 1 if mode == "compile" else 0)):
+                t.step()                        # torch.compile compiles in the first step
+            t.sync()
+            t.reset_peak()
+            torch_runs[mode] = t
+        except Exception as e:  # noqa: BLE001  (torch.compile fails in many ways: no compiler, no Triton, ...)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"  PyTorch {torch.__version__} {'torch.compile' if mode == 'compile' else 'eager'}: does not "
+                  f"run here ({type(e).__name__}: {first[:200]})")
+    llmz_rounds = [row["times"]]
+    torch_rounds = {mode: [t.timed(steps)] for mode, t in torch_runs.items()}
+    for r in range(1, args.rounds):
+        llmz_rounds.append(time_steps(run, args.warmup + r * steps, steps)[0])
+        for mode, t in torch_runs.items():
+            torch_rounds[mode].append(t.timed(steps))
+    run.comm.close()
+    ms = float(np.median(sum(llmz_rounds, []))) * 1e3
+    threads_note = (f", {pool} thread{'s' if pool != 1 else ''} each (llmz's BLAS pool, torch.set_num_threads)"
+                    if pool else "")
+    print(f"  llmz and PyTorch in turns, {args.rounds} round{'s' if args.rounds != 1 else ''} of {steps} "
+          f"steps{threads_note}; llmz {ms:9.2f} ms {B * T / (ms / 1e3):12,.0f} tokens/s (median of all "
+          f"{steps * args.rounds})")
+    for mode, t in torch_runs.items():
+        rounds = torch_rounds[mode]
+        tms = float(np.median(sum(rounds, []))) * 1e3
+        peak, reserved = t.memory()
+        held = (f", peak {peak / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved"
+                if peak is not None else "")
+        print(f"  PyTorch {torch.__version__} {'torch.compile' if mode == 'compile' else 'eager'} "
+              f"({args.torch_attention}, {args.precision}"
+              f"{', TF32' if args.precision == 'fp32' and kind == 'gpu' else ''}"
+              f"{', autocast' if args.precision == 'bf16' else ''}): {tms:9.2f} ms {B * T / (tms / 1e3):12,.0f} "
+              f"tokens/s{held}")
+        each = " ".join(f"{np.median(tr) / np.median(lr):.2f}" for lr, tr in zip(llmz_rounds, rounds))
+        print(f"  llmz / PyTorch {mode} = {tms / ms:.3f} (tokens/s; each round: {each})")
 
 
 def main(argv=None) -> int:
@@ -247,10 +320,13 @@ def bench(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # random tokens, enough for every step to read a fresh batch
         path = os.path.join(tmp, "bench_tokens.bin")
-        n = B * T * (args.warmup + args.steps + 3) + 1
+        n = B * T * (args.warmup + args.steps * args.rounds + 3) + 1
         write_tokens(path, np.random.default_rng(0).integers(0, cfg.vocab_size, n, dtype=np.int64))
-        for stage in args.zero_stage:
-            rows.append(bench_stage(args, kind, cfg, path, stage))
+        for i, stage in enumerate(args.zero_stage):
+            last = i == len(args.zero_stage) - 1
+            rows.append(bench_stage(args, kind, cfg, path, stage, keep=last and bool(args.vs_torch)))
+        if args.vs_torch:
+            vs_torch(args, kind, cfg, rows[-1])
     if len(rows) > 1:
         print(f"stages side by side ({args.precision}, B={B} T={T}, one rank):")
         print(f"  {'stage':>5} {'graphs':>6} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6} {'vs first':>9} {'GiB':>6}"
@@ -260,17 +336,6 @@ def bench(args) -> int:
             gib = f"{r['gib']:6.2f}" if r["gib"] is not None else "     -"
             print(f"  {r['stage']:>5} {'on' if r['graphs'] else 'off':>6} {r['ms']:9.2f} {r['tokens_per_s']:11,.0f}"
                   f" {util} {r['ms'] / rows[0]['ms'] - 1:+8.1%} {gib} {r['loss']:8.4f}")
-    tps = rows[-1]["tokens_per_s"]
-    if args.vs_torch:
-        for mode in ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,):
-            r = torch_ref.torch_bench(cfg, B, T, args.precision, args.steps, args.warmup,
-                                      attention=args.torch_attention, compile=mode == "compile")
-            print(f"  PyTorch {r['torch_version']} {'torch.compile' if mode == 'compile' else 'eager'} "
-                  f"({r['attention']}, {args.precision}"
-                  f"{', TF32' if args.precision == 'fp32' else ', autocast' if args.precision == 'bf16' else ''}): "
-                  f"{r['ms']:9.2f} ms {r['tokens_per_s']:12,.0f} tokens/s, peak {r['peak_bytes'] / 2**30:.2f} GiB "
-                  f"allocated, {r['reserved_bytes'] / 2**30:.2f} GiB reserved")
-            print(f"  llmz / PyTorch {mode} = {tps / r['tokens_per_s']:.3f}")
     return 0
 
 
