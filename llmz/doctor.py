@@ -45,7 +45,7 @@ def numpy_row() -> tuple[str, str | None]:
     except ImportError:
         pools = "threadpoolctl missing: pool sizes unknown"
     n = threads.cores()
-    return f"{version('numpy')} ({pools}; {n} cores: N ranks on this host get max(1, {n} // N) each)", None
+    return f"{version('numpy')} ({pools}; {n} cores: N ranks on this host get max(1, ({n} - 1) // N) each)", None
 
 
 def numba_row() -> tuple[str, str | None]:

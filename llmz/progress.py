@@ -1,11 +1,17 @@
 """Elapsed time and ETA for the long-running commands (training steps, sampled tokens).
 
-The first unit of work (step or token) includes compiling kernels and warming caches, so the rate behind
-the ETA is measured from the end of the first unit on; until then the first unit's own time stands in.
+The ETA is the units left times the median time of the last WINDOW units: a step that compiled kernels or
+warmed caches (the first), one that also validated or sampled, or one slowed while another process took the
+cores, moves a median little, where it would move a mean (the first step of the default run took 20x the
+others, and an ETA from it said 1h59m for a run of minutes). The first unit counts only until another is done.
 """
 from __future__ import annotations
 
+import collections
+import statistics
 import time
+
+WINDOW = 25             # units whose median time gives the ETA
 
 
 def fmt_duration(seconds: float) -> str:
@@ -20,17 +26,24 @@ def fmt_duration(seconds: float) -> str:
 
 
 class Progress:
-    """`total` units to do, `done` already done (a resumed run); call `tick()` after each unit."""
+    """`total` units to do, `done` already done (a resumed run); call `tick()` after each unit (or `tick(n)`
+    after n of them)."""
 
     def __init__(self, total: int, done: int = 0):
         self.total, self.done = total, done
-        self.t0 = time.perf_counter()
-        self.first: tuple[float, int] | None = None      # (time, units done) at the end of the first unit
+        self.t0 = self.last = time.perf_counter()
+        self.first: float | None = None                      # seconds per unit of the first tick
+        self.recent: collections.deque = collections.deque(maxlen=WINDOW)   # seconds per unit of the later ones
 
     def tick(self, units: int = 1) -> None:
+        now = time.perf_counter()
+        per_unit = (now - self.last) / max(units, 1)
+        self.last = now
         self.done += units
         if self.first is None:
-            self.first = (time.perf_counter(), self.done)
+            self.first = per_unit
+        else:
+            self.recent.extend([per_unit] * min(units, WINDOW))
 
     @property
     def elapsed(self) -> float:
@@ -38,13 +51,12 @@ class Progress:
 
     @property
     def eta(self) -> float | None:
-        """Seconds left at the rate since the first unit; None before any unit is done."""
+        """Seconds left at the median time per unit of the last WINDOW units (the first unit's own time until a
+        second is done); None before any unit is done."""
         if self.first is None:
             return None
-        now = time.perf_counter()
-        t1, n1 = self.first
-        rate_time, rate_units = (now - t1, self.done - n1) if self.done > n1 else (t1 - self.t0, n1)
-        return max(self.total - self.done, 0) * rate_time / max(rate_units, 1)
+        per_unit = statistics.median(self.recent) if self.recent else self.first
+        return max(self.total - self.done, 0) * per_unit
 
     def line(self) -> str:
         eta = self.eta

@@ -1,11 +1,16 @@
-"""One BLAS thread pool per rank, sized to the cores the ranks of a host share.
+"""One BLAS thread pool per rank, sized to the cores the ranks of a host share, one core left to the rest of
+the machine.
 
-NumPy's BLAS (OpenBLAS in NumPy's wheels) starts a thread per core in every process. With N ranks on one
-host every rank's pool takes every core: N x cores busy-waiting threads on `cores` cores (2 ranks of the
-default run on 2 cores: 275 ms a step, against 112 ms with one thread a rank and 83.5 ms for one rank alone
-with half the tokens: README). So each rank gets max(1, cores // ranks on this host) threads. threadpoolctl sets
-the size of the pools of the BLAS and OpenMP libraries already loaded (llmz.train imports NumPy before it
-knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment is kept.
+NumPy's BLAS (OpenBLAS in NumPy's wheels) starts a thread per core in every process, and a product waits for
+its slowest thread, each spinning while it waits. With N ranks on one host every rank's pool takes every
+core: N x cores busy-waiting threads on `cores` cores (2 ranks of the default run on 2 cores: 275 ms a step,
+against 112 ms with one thread a rank: README). One other busy process does the same to a pool that takes
+every core: on the 2-core machine with one core kept busy, the default run took 3-7x as long with 2 threads
+as with 1, while 2 threads gained little on the quiet machine (notes/laptop_benchmarks.md). So each rank
+gets max(1, (cores - 1) // ranks on this host) threads: a pool that leaves a core to whatever else runs.
+threadpoolctl sets the size of the pools of the BLAS and OpenMP libraries already loaded (llmz.train imports
+NumPy before it knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment
+(OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS) is kept.
 
 llmz.launch.init_ranks calls share_cores once the ranks are known; note() is the start line's words for it.
 """
@@ -30,8 +35,8 @@ def user_choice() -> str | None:
 
 
 def per_rank(ranks_on_host: int) -> int:
-    """Threads for each of `ranks_on_host` ranks: the host's cores shared out, at least one."""
-    return max(1, cores() // max(1, ranks_on_host))
+    """Threads for each of `ranks_on_host` ranks: the host's cores but one shared out, at least one."""
+    return max(1, (cores() - 1) // max(1, ranks_on_host))
 
 
 def share_cores(ranks_on_host: int) -> None:
@@ -49,9 +54,12 @@ def pool_sizes() -> dict[str, int]:
 
 
 def note(ranks_on_host: int) -> str:
-    """The start line's words: '1 BLAS thread per rank (openblas; 2 cores, 2 ranks on this host)'."""
+    """The start line's words: '1 BLAS thread per rank (openblas; 2 cores, one left free, 2 ranks on this host;
+    OMP_NUM_THREADS=N to choose)', or the variable that chose it."""
     pools = pool_sizes()
     n = max(pools.values(), default=1)
     libs = ", ".join(pools) or "no BLAS pool loaded"
-    why = user_choice() or f"{cores()} cores, {ranks_on_host} rank{'s' if ranks_on_host != 1 else ''} on this host"
+    c = cores()
+    why = user_choice() or (f"{c} core{'s, one left free' if c > 1 else ''}, {ranks_on_host} "
+                            f"rank{'s' if ranks_on_host != 1 else ''} on this host; OMP_NUM_THREADS=N to choose")
     return f"{n} BLAS thread{'s' if n != 1 else ''} per rank ({libs}; {why})"
