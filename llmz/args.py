@@ -257,10 +257,11 @@ def check_train_device(cfg: TrainConfig, kind: str) -> None:
         fail(f"--trace records how ZeRO stages {' and '.join(map(str, TRACE_STAGES))} overlap their collectives "
              f"with compute; at --zero-stage {cfg.zero_stage} there is nothing to trace; use --zero-stage "
              f"{TRACE_STAGES[0]}")
-    if (cfg.checkpoint_every or cfg.keep) and not cfg.checkpoint_dir:
-        fail("--checkpoint-every and --keep need --checkpoint-dir")
+    if (cfg.checkpoint_every or cfg.keep) and not cfg.checkpoint_dir and cfg.no_run_dir:
+        fail("--checkpoint-every and --keep need --checkpoint-dir, or a run folder (drop --no-run-dir)")
     if cfg.resume == "latest" and not cfg.checkpoint_dir:
-        fail("--resume latest needs --checkpoint-dir (or name a folder: --resume DIR/step_N)")
+        fail("--resume latest needs --checkpoint-dir or --run-dir DIR (the run folder whose checkpoints/ to "
+             "continue), or name a folder: --resume DIR/step_N")
 
 
 def check_flash_head_size(cfg: TrainConfig, kind: str, model) -> None:

@@ -162,6 +162,8 @@ class TrainConfig:
     val_batches: int = 10
     sample_every: int = 0
     sample_tokens: int = 200
+    run_dir: str | None = None          # the run folder (llmz.rundir); None: the next free runs/NNN
+    no_run_dir: bool = False            # no run folder: only what --log, --save, --checkpoint-dir name
     log: str | None = None              # --log FILE.jsonl (llmz.runlog)
     save: str | None = None             # --save FILE.bin
     trace: str | None = None            # --trace FILE.json (llmz.trace)

@@ -17,6 +17,7 @@ from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
 from .launch import abort_on_error, agree, init_ranks, start_failed
 from .precision import PRECISIONS
+from .rundir import check_given, with_folder
 from .watchdog import peek_timeout
 
 
@@ -110,13 +111,23 @@ def output_flags(a) -> None:
     a("--val-batches", type=int, help="batches per validation loss (at most the val data's)")
     a("--sample-every", type=int, help="print a sample every N steps; 0 = only at the end")
     a("--sample-tokens", type=int, help="tokens per printed sample (at most 1,000,000); 0 = no samples")
+    a("--run-dir", metavar="DIR", help="the run folder: the final model (model.bin, llm.c format), the log "
+      "(log.jsonl) and, with --checkpoint-every, the checkpoints (checkpoints/), each unless its own flag sends "
+      "it elsewhere; a folder holding another run's model or log is refused unless --resume continues it; the "
+      "run's last line names it (default: the next free number under runs/, e.g. runs/001, and runs/latest "
+      "points at the last run that finished; LLMZ_RUNS=DIR in the environment for another parent)")
+    a("--no-run-dir", action="store_true", help="no run folder: write only what --log, --save and "
+      "--checkpoint-dir name")
     a("--log", metavar="FILE.jsonl", help="one JSON object per step, flushed line by line; a "
-      "new run starts the file, a resumed run continues it (default: no log)")
-    a("--save", metavar="FILE.bin", help="write the final model, llm.c format (default: not saved)")
+      "new run starts the file, a resumed run continues it (default: the run folder's log.jsonl; none with "
+      "--no-run-dir)")
+    a("--save", metavar="FILE.bin", help="write the final model, llm.c format (default: the run folder's "
+      "model.bin; none with --no-run-dir)")
     a("--trace", metavar="FILE.json", help=f"ZeRO stage {'/'.join(map(str, TRACE_STAGES))}: "
       "Chrome trace (+ PNG) of one step (default: none)")
     a("--checkpoint-dir", metavar="DIR", help="write checkpoints to DIR/step_NNNNNN/ "
-      "(model.bin, state_rank<r>.bin, DONE); DIR is locked while the run lives (default: none)")
+      "(model.bin, state_rank<r>.bin, DONE); DIR is locked while the run lives (default: the run folder's "
+      "checkpoints/ with --checkpoint-every, --keep or --resume; else none)")
     a("--checkpoint-every", type=int, metavar="N",
       help="checkpoint every N steps and after the last (0 = after the last only)")
     a("--keep", type=int, metavar="K",
@@ -152,6 +163,9 @@ def parse_args(argv=None, kind: str | None = None, world_size: int = 1) -> tuple
         except (ValueError, RuntimeError) as e:
             raise UsageError(str(e)) from None
     cfg = cfg.for_device(kind)
+    if cfg.run_dir is not None:             # a folder named: every rank fills in the same paths now
+        check_given(cfg)
+        cfg = with_folder(cfg, cfg.run_dir)
     check_train(cfg, kind, world_size)
     return cfg, kind
 

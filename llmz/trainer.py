@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from . import checkpointing, memory
+from . import checkpointing, memory, rundir
 from .bf16 import bf16_to_f32
 from .checkpointing import Checkpoints
 from .comm import make_communicator
@@ -33,7 +33,7 @@ from .errors import LlmzError, before_any_work
 from .fast.encoder import wte_buckets, wte_buckets_upload
 from .graph import Graphs
 from .guards import Guards, check_fits
-from .launch import AgreedError, agree, interrupted
+from .launch import AgreedError, agree, allgather, interrupted
 from .lock import take_locks
 from .model import GPT2
 from .optim import AdamW
@@ -200,8 +200,9 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     order that loses nothing: the last checkpoint, --save, the log's end record and close, and only then the
     sample (its failure can no longer cost anything). A non-finite or diverged step stops the run, naming the
     step, on every rank."""
-    locks, run, log, step = [], None, None, None
+    locks, run, log, step, latest = [], None, None, None, None
     try:
+        cfg = settle_run_dir(cfg, ranks)
         # rank 0 locks the checkpoint folder and the log, and checks they are this run's; all read the same data
         notes = agree(ranks, lambda: take_locks(cfg, locks) + check_run_identity(cfg) if ranks.rank == 0
                       else [])
@@ -249,6 +250,8 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
         if cfg.save:
             run.checkpoints.save_model(cfg.save, step)
             log.say(f"saved {cfg.save}")
+            if cfg.run_dir and ranks.rank == 0:
+                latest = rundir.link_latest(cfg.run_dir)
         log.end(summary)
     except KeyboardInterrupt as e:                      # Ctrl-C, SIGTERM, SIGHUP
         raise interrupted(e, where_stopped(cfg, run, log, step)) from None
@@ -265,7 +268,21 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     # the collective watchdog's deadline would have to cover
     if cfg.sample_tokens:
         log.say("--- sample ---\n" + run.sampler.text(run.zero.pviews) + "\n--------------")
+    if cfg.run_dir:
+        log.say(rundir.last_line(cfg, latest))
     return summary
+
+
+def settle_run_dir(cfg: TrainConfig, ranks) -> TrainConfig:
+    """cfg with its run folder's paths filled in (llmz.rundir): a folder --run-dir named was filled in with the
+    flags; without one (and no --no-run-dir) rank 0 makes the next free runs/NNN and every rank takes its
+    name."""
+    if cfg.no_run_dir or cfg.run_dir:
+        return cfg
+    made = agree(ranks, lambda: rundir.new_folder() if ranks.rank == 0 else None)
+    cfg = rundir.with_folder(cfg, allgather(ranks, made)[0])
+    agree(ranks, lambda: rundir.prepare(cfg))
+    return cfg
 
 
 def every(n: int, step: int) -> bool:

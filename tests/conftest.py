@@ -1,8 +1,11 @@
 """Test setup. Without a GPU the Numba kernels run in the CUDA simulator, which must be switched on
 before numba is first imported, so this happens here, at collection time."""
+import atexit
 import collections
 import os
+import shutil
 import sys
+import tempfile
 import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -14,6 +17,12 @@ if not HAVE_GPU:
 
 import numpy as np
 import pytest
+
+# Runs the tests start without --run-dir or --no-run-dir (llmz.train's default) make their numbered folders
+# here, not under runs/ in the checkout; the commands the tests start inherit it. tests/test_rundir.py sets
+# its own.
+os.environ["LLMZ_RUNS"] = RUNS = tempfile.mkdtemp(prefix="llmz-test-runs-")
+atexit.register(shutil.rmtree, RUNS, True)
 
 # The quick suite (`python -m pytest -q -m quick`, about a minute on 2 cores): every layer's teaching kernels
 # against their NumPy reference, the whole model's kernels (both sets) against the reference model, the

@@ -144,7 +144,7 @@ def files(tmp_path_factory):
     (["--steps", "1e3"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),
     (["--zero-stage", "5"], "invalid choice"),
-    (["--keep", "1"], "need --checkpoint-dir"),
+    (["--keep", "1", "--no-run-dir"], "need --checkpoint-dir"),
     (["--resume"], "--resume latest needs --checkpoint-dir"),
     (["--max-seq-len", "4"], "--seq-len 8 > max_seq_len 4"),
     (["--trace", "t.json"], "at --zero-stage 0 there is nothing to trace"),
