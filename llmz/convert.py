@@ -1,4 +1,5 @@
-"""python -m llmz.convert: llm.c model files <-> Hugging Face GPT-2 folders (config.json + model.safetensors).
+"""python -m llmz.convert: llm.c model files <-> Hugging Face GPT-2 folders (config.json, generation_config.json,
+model.safetensors).
 
     python -m llmz.convert model.bin --to-hf hf_model/          # then GPT2LMHeadModel.from_pretrained("hf_model")
     python -m llmz.convert hf_model/ --to-llmc model.bin        # fp32 (version 3); --dtype bf16: version 5
@@ -13,6 +14,9 @@ What changes between the two (llm.c's dev/eval/export_hf.py does the same mappin
 - config.json: n_positions = maxT, layer_norm_epsilon 1e-5 and activation gelu_new (the tanh GELU), as llm.c
   computes; llmz_trained_seq_len keeps the T the model was trained at (llmz.checkpoint's header slot 8), so
   that llm.c -> Hugging Face -> llm.c gives back the same bytes.
+- generation_config.json: max_length = that trained T (maxT where the file does not say it), so transformers'
+  generate() stops inside the window the model learned (positions past it were never trained: their text is
+  noise) unless told max_length or max_new_tokens; llmz.sample's window is the same. --to-llmc ignores it.
 
 safetensors, written and read here without the package: an 8-byte little-endian header length N, N bytes of
 JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {"format": "pt"}}), then the
@@ -37,6 +41,7 @@ from .files import check_memory, open_regular, read_bytes
 from .layout import Layout
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+GENERATION_FILE = "generation_config.json"
 # llm.c tensor -> (Hugging Face name, with {l} for the layer; transposed: a Conv1D weight, stored (in, out))
 HF_NAMES = {
     "wte": ("transformer.wte.weight", False), "wpe": ("transformer.wpe.weight", False),
@@ -130,6 +135,12 @@ def hf_config(config: GPT2Config, dtype: str, seq_len: int) -> dict:
             "llmz_trained_seq_len": seq_len or None}
 
 
+def generation_config(config: GPT2Config, seq_len: int) -> dict:
+    """generation_config.json: generate() stops at the trained window (seq_len; maxT when 0: not known)."""
+    eot = config.vocab_size - 1 if config.vocab_size == 50257 else None
+    return {"max_length": seq_len or config.max_seq_len, "bos_token_id": eot, "eos_token_id": eot}
+
+
 def llmc_tensors(config: GPT2Config, llmc: np.ndarray) -> dict[str, np.ndarray]:
     """llm.c's flat buffer -> {llm.c tensor name: view with its shape (per-layer tensors lead with L)}."""
     out, at = {}, 0
@@ -155,11 +166,16 @@ def to_hf(model_path: str, folder: str, dtype: str | None = None) -> str:
             tensors[hf.format(l=layer)] = (tag, a if dtype == "fp32" else f32_to_bf16(a))
     os.makedirs(folder, exist_ok=True)
     write_safetensors(os.path.join(folder, WEIGHTS_FILE), tensors)
-    text = json.dumps(hf_config(config, dtype, seq_len), indent=2) + "\n"
-    atomic_write(os.path.join(folder, CONFIG_FILE), [text.encode()])
-    return (f"{model_path} ({file_dtype}) -> {folder}/{CONFIG_FILE}, {folder}/{WEIGHTS_FILE} ({tag}, "
-            f"{sum(a.size for _, a in tensors.values()):,} parameters; load with "
-            f"transformers.GPT2LMHeadModel.from_pretrained({folder!r}))")
+    for name, content in ((CONFIG_FILE, hf_config(config, dtype, seq_len)),
+                          (GENERATION_FILE, generation_config(config, seq_len))):
+        atomic_write(os.path.join(folder, name), [(json.dumps(content, indent=2) + "\n").encode()])
+    window = ("the window it was trained at (model file header slot 8)" if seq_len else
+              "maxT: the model file does not say the window it was trained at")
+    return (f"{model_path} ({file_dtype}) -> {folder}/{CONFIG_FILE}, {folder}/{GENERATION_FILE}, "
+            f"{folder}/{WEIGHTS_FILE} ({tag}, {sum(a.size for _, a in tensors.values()):,} parameters; load with "
+            f"transformers.GPT2LMHeadModel.from_pretrained({folder!r}))\n"
+            f"note: generation_config.json max_length {seq_len or config.max_seq_len}, {window}: generate() "
+            f"stops there unless given max_length or max_new_tokens (positions past it were never trained)")
 
 
 # ---- Hugging Face -> llm.c ----------------------------------------------------------------------------------
@@ -267,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("source", metavar="MODEL.bin|DIR", help="an llm.c model file (fp32 or bf16) with --to-hf; a Hugging Face "
       "GPT-2 folder with --to-llmc")
     to = p.add_mutually_exclusive_group(required=True)
-    to.add_argument("--to-hf", metavar="DIR", help="write a Hugging Face GPT-2 folder: config.json and "
-                    "model.safetensors (the folder is created; files of those names in it are replaced)")
+    to.add_argument("--to-hf", metavar="DIR", help="write a Hugging Face GPT-2 folder: config.json, "
+                    "generation_config.json (max_length: the trained window) and model.safetensors (the folder "
+                    "is created; files of those names in it are replaced)")
     to.add_argument("--to-llmc", metavar="OUT.bin", help="write an llm.c model file")
     a("--dtype", choices=("fp32", "bf16"), default=None, help="the output's precision (default: fp32 for "
       "--to-llmc, the model file's own for --to-hf); bf16 rounds to nearest, fp32 widens bf16 exactly")

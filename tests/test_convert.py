@@ -41,7 +41,7 @@ def test_llmc_to_hf_to_llmc_gives_back_the_same_bytes(tmp_path, rng, dtype):
     src = model_file(tmp_path / "m.bin", rng, dtype)
     p = run(src, "--to-hf", tmp_path / "hf")
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
     p = run(tmp_path / "hf", "--to-llmc", tmp_path / "back.bin", *(["--dtype", "bf16"] if dtype == "bf16" else []))
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
@@ -67,6 +67,24 @@ def test_the_folder_holds_hugging_face_names_shapes_and_config(tmp_path, rng):
     assert np.array_equal(w["transformer.h.1.attn.c_attn.weight"], t["qkvw"][1].T)
     assert np.array_equal(w["transformer.h.0.mlp.c_proj.weight"], t["fcprojw"][0].T)
     assert np.array_equal(w["transformer.h.1.ln_2.bias"], t["ln2b"][1])
+
+
+@pytest.mark.parametrize("seq_len, window", [(16, 16), (0, 32)])
+def test_generate_stops_at_the_trained_window_and_says_so(tmp_path, rng, seq_len, window):
+    """generation_config.json's max_length is the T the model was trained at (maxT where the file does not
+    say it): transformers' generate() reads it, and stops there unless told otherwise."""
+    src = model_file(tmp_path / "m.bin", rng, seq_len=seq_len)
+    p = run(src, "--to-hf", tmp_path / "hf")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {
+        "max_length": window, "bos_token_id": None, "eos_token_id": None}
+    note = p.stdout.strip().splitlines()[-1]
+    assert note.startswith(f"note: generation_config.json max_length {window}, "), p.stdout
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    out = model.generate(torch.tensor([[1, 2, 3]]), do_sample=False, pad_token_id=0)
+    assert out.shape[1] == window
 
 
 def test_safetensors_layout_is_length_json_then_aligned_data(tmp_path, rng):
