@@ -22,7 +22,7 @@ import numpy as np
 from .data import write_tokens
 from .errors import LlmzError, UsageError
 from .files import open_regular, prepare_output, read_bytes
-from .tokenizer import ByteTokenizer, Gpt2Tokenizer, write_tokenizer
+from .tokenizer import ByteTokenizer, Gpt2Tokenizer, tokenizer_name, write_tokenizer
 
 LINE_SEARCH = 1000          # characters before the cut searched for a line start
 
@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("-o", "--out", default=None, metavar="PREFIX", help="writes PREFIX_train.bin, PREFIX_val.bin and "
       "PREFIX_tokenizer.bin; missing folders are created (default: the first file's name without its "
       "extension)")
-    a("--tokenizer", choices=("bytes", "gpt2"), default="bytes", help="bytes: one token per UTF-8 byte "
-      "(vocabulary 256); gpt2: GPT-2's BPE through tiktoken (vocabulary 50257)")
+    a("--tokenizer", type=tokenizer_name, choices=("byte", "gpt2"), default="byte", help="byte: one token per "
+      "UTF-8 byte (vocabulary 256; 'bytes' is taken too); gpt2: GPT-2's BPE through tiktoken (vocabulary 50257)")
     a("--val-share", type=float, default=0.1, help="the share of the text, at its end, held out for validation "
       "(0 <= share < 1; 0: no validation file, train with --val-data '')")
     return p

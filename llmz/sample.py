@@ -79,8 +79,9 @@ def build_parser():
     a("--prompt", default="", help="text the sample continues (default: '': start from the end-of-text token, "
       "or a newline, and print the sample alone)")
     a("--tokens", type=int, default=200, help=f"tokens to generate (at most {MAX_TOKENS:,})")
-    a("--tokenizer", default="byte", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file (decodes only: no "
-      "--prompt with one)")
+    a("--tokenizer", default="byte", help="byte ('bytes' is taken too), gpt2 (tiktoken) or an llm.c tokenizer "
+      "file (one of the byte vocabulary, as llmz.prepare writes by default, encodes a --prompt too; another "
+      "decodes only: no --prompt with it)")
     a("--device", choices=KINDS, default="auto", help="gpu, cpu or sim (Numba's CUDA simulator); auto: gpu if "
       "there is one")
     a("--kernels", choices=KERNEL_SETS, default="auto", help="fast (llmz/fast/) or teaching (llmz/kernels/); "

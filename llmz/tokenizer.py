@@ -51,7 +51,7 @@ class ByteTokenizer:
     """Each byte is a token (vocab 256): the UTF-8 bytes of a text, or any bytes at all (text_bytes). There
     is no end-of-text token: eot is None (every byte value can occur in text, so none is free to mean
     "document boundary")."""
-    name = "bytes"
+    name = "byte"
     vocab_size = 256
     eot = None
 
@@ -123,7 +123,7 @@ class FileTokenizer:
     def encode(self, text: str) -> np.ndarray:
         if not self._bytes:
             raise LlmzError(f"{self.path}: a tokenizer file can only decode (it holds no BPE merges); "
-                            f"encode with 'gpt2' or 'bytes'")
+                            f"encode with 'gpt2' or 'byte'")
         return ByteTokenizer().encode(text)
 
     def decode(self, ids) -> str:
@@ -219,9 +219,18 @@ class TextStream:
         return self.decoder.decode(b"", final=True)
 
 
+BYTE_NAMES = ("byte", "bytes")     # one name in every command ('byte'); the other spelling is taken too
+
+
+def tokenizer_name(name: str) -> str:
+    """A --tokenizer value as every command spells it: 'bytes' -> 'byte', anything else as it is."""
+    return "byte" if name in BYTE_NAMES else name
+
+
 def load_tokenizer(path_or_name: str):
-    """'bytes' -> ByteTokenizer, 'gpt2' -> Gpt2Tokenizer (tiktoken), anything else -> FileTokenizer(path)."""
-    if path_or_name in ("bytes", "byte"):
+    """'byte' (or 'bytes') -> ByteTokenizer, 'gpt2' -> Gpt2Tokenizer (tiktoken), anything else ->
+    FileTokenizer(path)."""
+    if path_or_name in BYTE_NAMES:
         return ByteTokenizer()
     if path_or_name == "gpt2":
         return Gpt2Tokenizer()

@@ -79,7 +79,7 @@ def model_and_data_flags(a) -> None:
     a("--val-data", metavar="GLOB",
       help="llm.c token files for the validation loss; '' for none (default: the shipped "
       "data/shakespeare_val.bin)")
-    a("--tokenizer", help="byte, gpt2 (tiktoken) or an llm.c tokenizer file")
+    a("--tokenizer", help="byte ('bytes' is taken too), gpt2 (tiktoken) or an llm.c tokenizer file")
     a("--shuffle", action="store_true", help="shuffle the batch order every epoch (llm.c keeps the files' "
       "order)")
     a("--batch-size", "-b", type=int, help="B per rank (default: 16 on cpu, 32 on gpu)")

@@ -124,14 +124,31 @@ def test_a_write_failing_midway_leaves_no_file_of_the_set(tmp_path, rng, monkeyp
     monkeypatch.setattr(prepare, "write_tokenizer", real)
 
 
-def test_prepared_files_train_as_the_readme_shows(tmp_path, rng):
+def test_prepared_files_train_and_sample_as_the_readme_shows(tmp_path, rng):
+    """README's own-text commands in order: prepare, train (its run folder under runs/), then sample from
+    runs/latest/model.bin with the tokenizer file prepare wrote (the byte vocabulary: it encodes a prompt)."""
     (tmp_path / "my.txt").write_text(random_text(rng, 400), encoding="utf-8")
     p = run("my.txt", "-o", "data/mine", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLMZ_RUNS": ""}            # runs/ here, as for a user
     t = subprocess.run([sys.executable, "-m", "llmz.train", "--train-data", "data/mine_train.bin", "--val-data",
                         "data/mine_val.bin", "--tokenizer", "data/mine_tokenizer.bin", "--device", "cpu",
                         "--model", "tiny", "-b", "2", "-t", "16", "--steps", "2", "--sample-tokens", "16", "--quiet"],
-                       cwd=tmp_path, capture_output=True, text=True, check=False, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       cwd=tmp_path, capture_output=True, text=True, check=False, timeout=300, env=env)
     assert t.returncode == 0, t.stderr
     assert "val loss" in t.stdout and "--- sample ---" in t.stdout
+    assert t.stdout.strip().splitlines()[-1].startswith("run folder runs/001: model.bin, log.jsonl")
+    s = subprocess.run([sys.executable, "-m", "llmz.sample", "--init-from", "runs/latest/model.bin", "--tokenizer",
+                        "data/mine_tokenizer.bin", "--prompt", "The ", "--tokens", "8", "--device", "cpu"],
+                       cwd=tmp_path, capture_output=True, text=True, check=False, timeout=300, env=env)
+    assert s.returncode == 0, s.stderr
+    assert s.stdout.startswith("The "), s.stdout
+
+
+def test_the_byte_tokenizer_has_one_name_and_takes_the_other_spelling(tmp_path, rng):
+    (tmp_path / "a.txt").write_text(random_text(rng, 40), encoding="utf-8")
+    one, other = run("a.txt", "-o", "one", cwd=tmp_path), run("a.txt", "-o", "two", "--tokenizer", "bytes", cwd=tmp_path)
+    assert one.returncode == other.returncode == 0, one.stderr + other.stderr
+    assert "(byte, 256 tokens)" in one.stdout and "(byte, 256 tokens)" in other.stdout
+    for part in ("train", "val", "tokenizer"):
+        assert (tmp_path / f"one_{part}.bin").read_bytes() == (tmp_path / f"two_{part}.bin").read_bytes()
