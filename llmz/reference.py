@@ -10,7 +10,7 @@ stay NumPy's, every head of every batch row in one stacked product, written stra
 or a buffer kept from call to call (`buffer`); the row-by-row rest (layernorm, the softmax's rows, GELU's
 arithmetic, AdamW, the embedding gradient) runs in llmz.host_loops, one loop over the rows. At the default
 run's sizes (B=16, T=64, C=128) NumPy spends more time starting each short row's reduction and each pass
-over an array larger than the cache than computing: BENCHMARKS.md has the step before and after. bf16
+over an array larger than the cache than computing (BENCHMARKS.md: the CPU step before and after). bf16
 storage takes the `_ref` (it computes in float32 copies anyway).
 
 Shapes: B batch, T time, C channels, NH heads, hs head size, OC output channels, N rows (B*T), V vocab, Vp
@@ -133,8 +133,8 @@ def looped(*arrays) -> bool:
 def encoder_backward(dev, dwte, dwpe, dout, inp, buckets=None) -> None:
     """As encoder_backward_ref (the reference walks the positions itself: no buckets): dwte[token] += each
     position's gradient in the positions' order (np.add.at's), dwpe += the sum over the batch."""
-    if not looped(dwte, dwpe, dout):
-        return encoder_backward_ref(dwte, dwpe, dout, inp)
+    if not looped(dwte, dwpe, dout) or inp.size == 0 or not 0 <= inp.min() <= inp.max() < dwte.shape[0]:
+        return encoder_backward_ref(dwte, dwpe, dout, inp)      # (a token out of range: its IndexError)
     T, C = dout.shape[1:]
     host_loops.add_rows_at(dwte, inp.reshape(-1), dout.reshape(-1, C))
     dwpe[:T] += dout.sum(axis=0)

@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -79,6 +80,69 @@ def pytest_collection_modifyitems(config, items):
 # Fresh random inputs on every run, reproducible: one seed a session (printed in pytest's header; set
 # LLMZ_TEST_SEED to rerun a failure on the same inputs) mixed with a stable hash of the test's name.
 SESSION_SEED = int(os.environ.get("LLMZ_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+os.environ["LLMZ_TEST_SEED"] = str(SESSION_SEED)    # pytest-xdist's workers, started after this, draw the same
+
+
+# ---- both cores: pytest-xdist (setup.cfg's addopts: -n auto), and a line per test file as it starts and ends --
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: a worker per core this process may use; none (every test in this process) with a GPU, whose
+    tests would share one card, or with -s, whose output workers do not show."""
+    if HAVE_GPU or config.getoption("capture") == "no":
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class FileLines:
+    """A plugin of the main process (with or without workers): 'tests/test_zero.py: started' when a file's first
+    test starts, 'tests/test_zero.py: 9 passed, 1 skipped in 41s' when its last one ends, so a CI log says which
+    files run while the dots go by."""
+
+    def __init__(self, reporter):
+        self.reporter = reporter
+        self.left: collections.Counter = collections.Counter()     # file -> its tests not finished yet
+        self.started: dict[str, float] = {}
+        self.tally: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def say(self, line: str) -> None:
+        """line on a line of its own, after the dots of the line it breaks into."""
+        if getattr(self.reporter._tw, "width_of_current_line", 0):
+            self.reporter._tw.line()
+        self.reporter.write_line(line)
+
+    def collected(self, nodeids) -> None:
+        if not self.left:                                           # every worker collects the same tests
+            self.left.update(n.split("::")[0] for n in nodeids)
+
+    def pytest_collection_finish(self, session):
+        self.collected(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self.collected(ids)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        file = nodeid.split("::")[0]
+        if file not in self.started:
+            self.started[file] = time.perf_counter()
+            self.say(f"{file}: started")
+
+    def pytest_runtest_logreport(self, report):
+        file = report.nodeid.split("::")[0]
+        if report.failed or (report.skipped and report.when != "teardown") or (report.passed and report.when == "call"):
+            self.tally[file]["error" if report.failed and report.when != "call" else report.outcome] += 1
+        if report.when == "teardown" and self.left[file] > 0:
+            self.left[file] -= 1
+            if self.left[file] == 0:
+                took = time.perf_counter() - self.started.get(file, time.perf_counter())
+                counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self.tally[file].items()))
+                self.say(f"{file}: {counts or 'done'} in {took:.0f}s")
+
+
+@pytest.hookimpl(trylast=True)             # after pytest's own, which registers the terminal reporter
+def pytest_configure(config):
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(config, "workerinput"):     # the main process only
+        config.pluginmanager.register(FileLines(reporter), "llmz-file-lines")
 
 
 def pytest_report_header(config):
