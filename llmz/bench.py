@@ -249,6 +249,7 @@ def vs_torch(args, kind: str, cfg, row: dict) -> None:
     prints the median over all rounds and the ratio of every round."""
     run, B, T, steps = row.pop("run"), args.batch_size, args.seq_len, args.steps
     modes = ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,)
+    pool = threads.blas_threads() if kind == "cpu" else None    # before torch loads its own OpenMP pool
     try:
         import torch
     except ModuleNotFoundError:
@@ -257,7 +258,6 @@ def vs_torch(args, kind: str, cfg, row: dict) -> None:
     if args.precision not in torch_ref.PRECISIONS:
         print(f"  PyTorch: llmz.torch_ref trains {' or '.join(torch_ref.PRECISIONS)}, not {args.precision}")
         return
-    pool = max(threads.pool_sizes().values(), default=1) if kind == "cpu" else None
     torch_runs = {}
     for mode in modes:
         try:

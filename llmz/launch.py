@@ -91,6 +91,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
             raise LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up writes "
                             f"shared-memory files of several MiB and dies under it; raise it (ulimit -f "
                             f"unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)")
+        share_cores(1)
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))  # no MPI needed
     try:
         import mpi4py
@@ -103,6 +104,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
         if n > 1:
             raise LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({e}); "
                             "install llmz[mpi]") from None
+        share_cores(1)
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -110,6 +112,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     if size == 1:
         if _launcher_world_size() > 1:              # another MPI's mpiexec: each rank alone in its world
             raise LlmzError(lone_rank_line(_launcher_world_size(), MPI.Get_library_version()))
+        share_cores(1)
         return RankInfo(0, 1, 0, 1, hostname, Watch(timeout=collective_timeout))
     watch = Watch(world, collective_timeout)        # gathers every rank's host: a collective
     atexit.register(watch.close)                    # before MPI_Finalize (registered when MPI started)

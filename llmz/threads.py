@@ -47,6 +47,12 @@ def share_cores(ranks_on_host: int) -> None:
     threadpool_limits(limits=per_rank(ranks_on_host))      # called, not entered: the limit stays
 
 
+def blas_threads() -> int:
+    """The threads of the BLAS pool NumPy's products run on (the largest, should several be loaded)."""
+    from threadpoolctl import threadpool_info
+    return max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=1)
+
+
 def pool_sizes() -> dict[str, int]:
     """{library: threads} of the thread pools loaded in this process (openblas, openmp, mkl, ...)."""
     from threadpoolctl import threadpool_info

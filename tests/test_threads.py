@@ -44,3 +44,19 @@ def test_two_ranks_on_one_host_each_start_with_their_share_of_the_cores():
     first = p.stdout.splitlines()[0]
     assert f"; {each} BLAS thread{'s' if each > 1 else ''} per rank (" in first, first
     assert f"{cpu_cores()} cores, one left free, 2 ranks on this host;" in first, first
+
+
+def test_one_rank_leaves_a_core_free_and_says_so():
+    import subprocess
+    import sys
+
+    from mpirun import REPO
+    env = {k: v for k, v in __import__("os").environ.items() if k not in threads.USER_VARS}
+    p = subprocess.run([sys.executable, "-m", "llmz.train", "--device", "cpu", "--model", "tiny", "-b", "2", "-t", "8",
+                        "--steps", "1", "--val-every", "0", "--sample-tokens", "0", "--quiet", "--no-run-dir"],
+                       cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert p.returncode == 0, p.stderr
+    each = max(1, cpu_cores() - 1)
+    first = p.stdout.splitlines()[0]
+    assert f"; {each} BLAS thread{'s' if each > 1 else ''} per rank (" in first, first
+    assert f"{cpu_cores()} core" in first and "1 rank on this host; OMP_NUM_THREADS=N to choose)" in first, first
