@@ -113,15 +113,22 @@ def read_log(path: str) -> RunLog:
 
 
 def label_runs(runs: list[RunLog], labels: list[str] | None = None) -> None:
-    """Name each run for the legend: the given labels, else the file's name (its path, where two runs'
-    file names are the same) and what its start record says (ZeRO stage, ranks, precision)."""
+    """Name each run for the legend: the given labels, else the file's name (a run folder's log.jsonl: the
+    folder's; their paths where two names are the same) and what its start record says (ZeRO stage, ranks,
+    precision)."""
     if labels:
         for run, label in zip(runs, labels):
             run.label = label
         return
-    names = [os.path.splitext(os.path.basename(r.path))[0] for r in runs]
+
+    def name(path: str, whole: bool) -> str:
+        if os.path.basename(path) == "log.jsonl":               # llmz.rundir's runs/001/log.jsonl: "001"
+            folder = os.path.dirname(path) or "."
+            return folder if whole else os.path.basename(os.path.abspath(folder))
+        return os.path.splitext(path if whole else os.path.basename(path))[0]
+    names = [name(r.path, False) for r in runs]
     if len(set(names)) < len(names):
-        names = [os.path.splitext(r.path)[0] for r in runs]
+        names = [name(r.path, True) for r in runs]
     for run, name in zip(runs, names):
         what = describe(run.start)
         run.label = f"{name} ({what})" if what else name

@@ -129,3 +129,16 @@ def test_a_bad_log_or_flag_is_one_error_line_and_exit_2(tmp_path, rng, capsys, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not out.exists()
+
+
+def test_a_run_folders_log_is_named_by_its_folder(tmp_path, rng):
+    """runs/001/log.jsonl (llmz.rundir) is '001' in the legend; two folders of one name, their paths."""
+    for folder in ("runs/001", "runs/002", "other/001"):
+        (tmp_path / folder).mkdir(parents=True)
+        write_log(tmp_path / folder / "log.jsonl", rng, 5, stage=0, world=1)
+    runs = [plot.read_log(str(tmp_path / f / "log.jsonl")) for f in ("runs/001", "runs/002")]
+    plot.label_runs(runs)
+    assert [r.label.split(" (")[0] for r in runs] == ["001", "002"]
+    runs = [plot.read_log(str(tmp_path / f / "log.jsonl")) for f in ("runs/001", "other/001")]
+    plot.label_runs(runs)
+    assert [r.label.split(" (")[0] for r in runs] == [str(tmp_path / "runs/001"), str(tmp_path / "other/001")]
