@@ -393,7 +393,7 @@ def _check_sample(args, kind: str):
 
 # ---- python -m llmz.bench ------------------------------------------------------------------------------
 def check_bench(args) -> None:
-    positive(args, "batch_size", "seq_len", "steps", "vocab_size")
+    positive(args, "batch_size", "seq_len", "steps", "vocab_size", "rounds")
     non_negative(args, "warmup")
     check_preset(args)
 

@@ -249,6 +249,9 @@ def vs_torch(args, kind: str, cfg, row: dict) -> None:
     prints the median over all rounds and the ratio of every round."""
     run, B, T, steps = row.pop("run"), args.batch_size, args.seq_len, args.steps
     modes = ("eager", "compile") if args.vs_torch == "both" else (args.vs_torch,)
+    if kind == "sim":
+        print("  PyTorch: --vs-torch compares on a GPU or a CPU, not in the CUDA simulator")
+        return
     pool = threads.blas_threads() if kind == "cpu" else None    # before torch loads its own OpenMP pool
     try:
         import torch

@@ -358,6 +358,8 @@ def test_fuzzed_flags_start_cleanly_and_train_to_the_end_or_are_refused_in_one_l
     ("llmz.sample", ["--temperature", "-1", "--init-from", "x"]),
     ("llmz.bench", ["--steps", "0"]),
     ("llmz.bench", ["--model", "nope"]),
+    ("llmz.bench", ["--vs-torch", "--rounds", "0"]),
+    ("llmz.train", ["--run-dir", "x", "--no-run-dir"]),
     ("lessons.01_stage0_data_parallel", ["--steps", "-1"]),
 ])
 def test_every_command_refuses_a_bad_flag_in_one_error_line_with_status_2(module, flags):

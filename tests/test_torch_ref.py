@@ -45,3 +45,18 @@ def test_torch_ref_rejects_unknown_precision_and_attention():
         run(precision="fp16")
     with pytest.raises(ValueError):
         run(attention="flash")
+
+
+def test_bench_vs_torch_runs_on_a_cpu_in_turns_with_the_same_threads():
+    import subprocess
+    import sys
+
+    from mpirun import REPO
+    p = subprocess.run([sys.executable, "-m", "llmz.bench", "--device", "cpu", "--model", "tiny",
+                        "-b", "2", "-t", "8", "--warmup", "1", "--steps", "2", "--rounds", "2", "--vs-torch"],
+                       cwd=REPO, capture_output=True, text=True, check=False, timeout=300,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    assert "llmz and PyTorch in turns, 2 rounds of 2 steps, 1 thread each" in p.stdout, p.stdout
+    ratio = [line for line in p.stdout.splitlines() if "llmz / PyTorch eager = " in line]
+    assert len(ratio) == 1 and len(ratio[0].split("each round: ")[1].split()) == 2, p.stdout
