@@ -3,8 +3,8 @@
 Trains `--model` on random tokens through llmz.trainer.Trainer (the same step that `python -m llmz.train`
 runs: CUDA graphs, ZeRO stage, everything) for a few warm-up and then timed steps, and prints ms per step,
 tokens/s, MFU and the GPU memory held. With no flags: on a GPU, GPT-2 124M (d12) at B=16, T=1024, as llm.c
-benchmarks it; on a CPU, the model of llmz.train's default run (small) at its B=16, T=64, about 10 s on 2
-cores. `--per-kernel` adds a table of every kernel's time, `--vs-torch` the same step in PyTorch, `--layer`
+benchmarks it; on a CPU, the model of llmz.train's default run (small) at its B=16, T=64, 3-4 s on 2 cores
+(load 3). `--per-kernel` adds a table of every kernel's time, `--vs-torch` the same step in PyTorch, `--layer`
 times one layer instead of the step (`--help` says each).
 """
 from __future__ import annotations
