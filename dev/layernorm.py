@@ -26,12 +26,12 @@ from dev import harness
 from dev.column_sum import column_sum_into
 from dev.residual import residual_forward_units
 from dev.vectors import UNIT, load8, store8, units_fit
-from llmz.device import ceil_div
 from llmz.fast import layernorm as fast
 from llmz.fast import residual as fast_residual
 from llmz.fast.device_helpers import WARP, loads_barrier, warp_row, warp_sum
 from llmz.kernels import layernorm as teaching
 from llmz.kernels import residual as teaching_residual
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.layernorm import LN_EPS, layernorm_backward_ref, layernorm_forward_ref
 
 # ---- version 3 (and 4): kernels built per C on 16-byte units ------------------------------------------------

@@ -32,13 +32,13 @@ from dev.column_sum import column_sum_units
 from dev.cublaslt import matmul_lt
 from dev.gelu import gelu_backward_units, gelu_forward_units
 from dev.vectors import UNIT, load8, store8, units_fit
-from llmz.device import ceil_div
 from llmz.fast import gelu as fast_gelu
 from llmz.fast import matmul as fast_matmul
 from llmz.fast.column_sum import column_sum
 from llmz.fast.gemm import gemm
 from llmz.fast.matmul import FILL_ROWS
 from llmz.kernels.gelu import gelu_backward_ref, gelu_forward_ref
+from llmz.kernels.grid import ceil_div
 
 
 # ---- version 2's bias fill: 16-byte stores -----------------------------------------------------------------

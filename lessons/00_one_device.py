@@ -34,10 +34,9 @@ import sys
 import numpy as np
 
 from lessons import common
-from llmz.config import GPT2Config, preset
+from llmz.config import GPT2Config, fmt_bytes, preset
 from llmz.device import Device, gpu_available, resolve
 from llmz.layout import Layout, init_parameters
-from llmz.memory import fmt_bytes
 from llmz.model import GPT2, FullGrads, FullParams
 
 # the kernels run in float32 against a float64 reference: rounding of sums of up to a few hundred terms

@@ -24,7 +24,8 @@ per rank by category is bΨ + bΨ + 2bΨ, (4) bytes sent per rank per step are 2
 import sys
 
 from lessons import common
-from llmz.memory import fmt_bytes, table
+from llmz.config import fmt_bytes
+from llmz.memory import table
 
 
 def lesson(a, ranks) -> int:

@@ -23,7 +23,7 @@ bit-identical on every rank (the all-gather did its job), (3) the optimizer stat
 import sys
 
 from lessons import common
-from llmz.memory import fmt_bytes
+from llmz.config import fmt_bytes
 
 
 def lesson(a, ranks) -> int:

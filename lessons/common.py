@@ -30,12 +30,11 @@ import numpy as np
 
 from llmz.args import check_kernels, check_train, parse_lesson
 from llmz.comm import Request
-from llmz.config import TrainConfig, default_print_every
+from llmz.config import TrainConfig, default_print_every, fmt_bytes
 from llmz.device import resolve
 from llmz.errors import UsageError
-from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
-from llmz.memory import fmt_bytes
-from llmz.runlog import zero_on_one_rank
+from llmz.run.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
+from llmz.run.log import zero_on_one_rank
 from llmz.trace import overlap, save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
@@ -77,8 +76,8 @@ def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_a
          about_ranks: bool = False, steps_help: str = "optimizer steps", builds_on: str | None = None,
          uses: tuple[str, ...] = ("--comm", "--kernels", "--attention", "--model", "--print-every")) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
-    ends every rank (llmz.launch.abort_on_error). The flags are checked on every rank once the ranks are up
-    (llmz.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
+    ends every rank (llmz.run.launch.abort_on_error). The flags are checked on every rank once the ranks are up
+    (llmz.run.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
     llmz.train. uses: the flags the lesson takes beyond --device, --steps and --diff (llmz.args.LESSON_FLAGS;
     by default those of a lesson that trains and draws nothing). A lesson `about_ranks` (its idea needs
     N > 1) says so when run alone. builds_on: the lesson whose file --diff compares this one with (None: the
@@ -276,7 +275,7 @@ def check_overlap(ck, ranks, run, events: list, share: str, started: str, gpu: s
 # ---- across ranks -----------------------------------------------------------------------------------------
 def gather(ranks, obj) -> list:
     """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
-    return allgather(ranks, obj)                # under the collective watchdog (llmz.watchdog)
+    return allgather(ranks, obj)                # under the collective watchdog (llmz.run.watchdog)
 
 
 def params_hash(run) -> str:
@@ -377,7 +376,7 @@ def memory_figure(reports: dict[str, dict], title: str, note: str | None = None)
 
 def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:
     """Rank 0 draws plot_memory's chart of these runs' memory reports ({label: run}) into path. With one rank
-    it says, on the chart and in a line per stage (llmz.runlog.zero_on_one_rank), why the later stages hold
+    it says, on the chart and in a line per stage (llmz.run.log.zero_on_one_rank), why the later stages hold
     more than stage 0."""
     if ranks.rank != 0:
         return

@@ -100,10 +100,6 @@ def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
     return kernel_set, matmul, attention
 
 
-def ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 class _NoStream:
     """cpu / sim: work runs in program order, so a stream is just a name."""
     def __init__(self, name: str):
@@ -350,6 +346,7 @@ class Device:
     def launch_per_element(self, kernel, arrays, *extra, stream=None) -> None:
         """kernel(*arrays flattened, n, *extra) with one thread per element of the same-size arrays (n of them):
         the launch of the teaching set's elementwise kernels."""
+        from .kernels.grid import ceil_div  # numba is loaded by now (the kernel is a numba kernel)
         n = arrays[0].size
         self.launch(kernel, ceil_div(n, self.block_size), self.block_size, *(a.reshape(-1) for a in arrays), n,
                     *extra, stream=stream)

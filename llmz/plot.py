@@ -7,7 +7,7 @@ loss, faint, a centred moving average of it on top, and the validation loss as d
 before clipping, the learning rate, and tokens/s. Each run has one colour, named in the legend by its file
 and, from its start record, its ZeRO stage and number of ranks: lay stage 0's curve over stage 2's.
 
-The log format (llmz/runlog.py): a `{"event": "start", ...}` record, one `{"step", "loss", "lr",
+The log format (llmz/run/log.py): a `{"event": "start", ...}` record, one `{"step", "loss", "lr",
 "grad_norm", "ms", "tokens_per_s", ...}` record per step, `{"step", "val_loss"}` records, and
 `{"event": ...}` records (checkpoint, end). Records and fields it does not know are skipped; a step logged
 twice (a log that continues a resumed run) keeps its last record.
@@ -202,7 +202,7 @@ def save(fig, path: str) -> None:
     """Write the figure (format from the file's extension), whole or not at all, and close it."""
     import matplotlib.pyplot as plt
 
-    from .data import atomic_write
+    from .run.files import atomic_write
     buf = io.BytesIO()
     fig.savefig(buf, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
     plt.close(fig)

@@ -15,9 +15,9 @@ from .args import TRACE_STAGES, Parser, check_train, flag
 from .config import RECOMPUTE, TrainConfig, describe_presets
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
-from .launch import abort_on_error, agree, init_ranks, start_failed
 from .precision import PRECISIONS
-from .watchdog import peek_timeout
+from .run.launch import abort_on_error, agree, init_ranks, start_failed
+from .run.watchdog import peek_timeout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +157,7 @@ def parse_args(argv=None, kind: str | None = None, world_size: int = 1) -> tuple
 
 
 def main(argv=None) -> int:
-    """The ranks first, then the flags: every rank checks them and all agree (llmz.launch.agree), so a bad
+    """The ranks first, then the flags: every rank checks them and all agree (llmz.run.launch.agree), so a bad
     flag on any rank ends the whole job with one line, exit status 2, and no rank left waiting."""
     try:
         ranks = init_ranks(collective_timeout=peek_timeout(argv))

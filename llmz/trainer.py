@@ -8,8 +8,8 @@
 A Trainer holds everything one rank needs: device, communicator, data, model, its ZeRO stage (llmz.zero),
 AdamW (llmz.optim); its step is K micro-steps of forward and backward, then the stage's update. train() is
 the loop around it, nanoGPT's: validate, sample, step, check, log, checkpoint. The rest has a module of its
-own: where the run starts and what it writes (llmz.checkpointing), what stops it (llmz.guards), what it
-says (llmz.runlog), its samples (llmz.sampling).
+own in llmz/run/, the run's housekeeping: where the run starts and what it writes (llmz.run.checkpoints), what
+stops it (llmz.run.guards), what it says (llmz.run.log); its samples are the Sampler below.
 
 Importing this module imports numba (the kernels, through llmz.zero): resolve the device first
 (llmz.device.resolve), as the simulator needs.
@@ -22,26 +22,26 @@ import time
 
 import numpy as np
 
-from . import checkpointing, memory
+from . import memory
 from .bf16 import bf16_to_f32
-from .checkpointing import Checkpoints
 from .comm import make_communicator
-from .config import TrainConfig
+from .config import GPT2Config, TrainConfig
 from .data import DataLoader, check_same_data
 from .device import Device
-from .errors import LlmzError, before_any_work
+from .errors import AgreedError, LlmzError, before_any_work
 from .fast.encoder import wte_buckets, wte_buckets_upload
 from .graph import Graphs
-from .guards import Guards, check_fits
-from .launch import AgreedError, agree, interrupted
-from .lock import take_locks
-from .model import GPT2
+from .model import GPT2, generate
 from .optim import AdamW
 from .precision import PRECISIONS
-from .runlog import RunLog
-from .sampling import Sampler
-from .state import check_run_identity, run_identity
-from .tokenizer import load_tokenizer
+from .run import checkpoints
+from .run.checkpoints import Checkpoints
+from .run.guards import Guards, check_fits
+from .run.launch import agree, interrupted
+from .run.lock import take_locks
+from .run.log import RunLog
+from .run.state import check_run_identity, run_identity
+from .tokenizer import load_tokenizer, start_id
 from .trace import Tracer
 from .zero import make_stage
 
@@ -58,9 +58,9 @@ class Trainer:
                           attention=cfg.attention, tf32=not cfg.no_tf32, kernel_set=cfg.kernels)
         self.comm = make_communicator(cfg.comm, ranks, self.dev)
         self.tok = load_tokenizer(cfg.tokenizer)
-        self.resumed = checkpointing.find(cfg, ranks, self.notes)
+        self.resumed = checkpoints.find(cfg, ranks, self.notes)
         self.run_id = run_identity(self.resumed, ranks)             # kept across resumes (a collective)
-        self.config, self.layout, params = checkpointing.start(cfg, kind, self.tok, self.world_size,
+        self.config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size,
                                                                self.resumed)
         self.sampler = Sampler(cfg, self.tok, self.config, self.dev, self.notes)
         B, T, V = cfg.batch_size, cfg.seq_len, self.config.vocab_size
@@ -195,8 +195,44 @@ class Trainer:
         return bf16_to_f32(p) if p.dtype == np.uint16 else p
 
 
+class Sampler:
+    """The samples a training run prints (--sample-every, and one at the end): llmz.model.generate, from the
+    parameters the run trains, on a second GPT2 of batch 1 (cheap activations), with seeds drawn from the
+    run's own RNG, whose state every checkpoint keeps, so a resumed run prints the samples the uninterrupted
+    one would."""
+
+    def __init__(self, cfg: TrainConfig, tok, config: GPT2Config, dev, notes: list[str]):
+        self.tok, self.config, self.dev = tok, config, dev
+        self.n_tokens, self.T = cfg.sample_tokens, cfg.seq_len
+        self.rng = np.random.default_rng(cfg.seed)          # draws the seeds of the samples
+        self.model = None                                    # the B=1 model, built for the first sample
+        # among the tokens the tokenizer can decode (a model wider than its tokenizer, e.g. --vocab-size 50257
+        # on byte data, would otherwise sample ids it cannot print)
+        self.vocab = min(config.vocab_size, tok.vocab_size)
+        if self.vocab < config.vocab_size and cfg.sample_tokens:
+            notes.append(f"note: the model has {config.vocab_size} tokens, the tokenizer {tok.vocab_size}: "
+                         f"samples are drawn among the tokenizer's {tok.vocab_size} only")
+
+    def next_seed(self) -> int:
+        """The seed of the next printed sample, from the run's RNG (saved in checkpoints)."""
+        return int(self.rng.integers(2**31))
+
+    def sample(self, pviews, prompt_ids, n_tokens: int, seed: int) -> list[int]:
+        """The prompt and n_tokens ids after it (no prompt: those alone, after a start token), from the
+        parameter store pviews (llmz.model): at ZeRO stage 3 it gathers the parameters, so every rank calls it."""
+        if self.model is None:
+            self.model = GPT2(self.config, self.dev, 1, self.T)
+        ids = generate(self.model, pviews, list(prompt_ids) or [start_id(self.tok)], n_tokens, seed,
+                       vocab=self.vocab)
+        return list(prompt_ids) + ids
+
+    def text(self, pviews) -> str:
+        """A sample of --sample-tokens tokens from an empty prompt, decoded, with the run's next seed."""
+        return self.tok.decode(self.sample(pviews, [], self.n_tokens, self.next_seed()))
+
+
 def train(cfg: TrainConfig, kind: str, ranks) -> dict:
-    """Train as `cfg` says, on this rank; returns the summary (llmz.runlog). The end of a run goes in the
+    """Train as `cfg` says, on this rank; returns the summary (llmz.run.log). The end of a run goes in the
     order that loses nothing: the last checkpoint, --save, the log's end record and close, and only then the
     sample (its failure can no longer cost anything). A non-finite or diverged step stops the run, naming the
     step, on every rank."""
@@ -274,7 +310,7 @@ def every(n: int, step: int) -> bool:
 
 
 def where_stopped(cfg: TrainConfig, run, log, step) -> str:
-    """The words of a run stopped by Ctrl-C or a signal (llmz.launch.interrupted says which): where, the last
+    """The words of a run stopped by Ctrl-C or a signal (llmz.run.launch.interrupted says which): where, the last
     checkpoint, the log."""
     last = (run.checkpoints.last if run else None) or ("none" if cfg.checkpoint_dir else
                                                        "none (no --checkpoint-dir)")

@@ -10,7 +10,7 @@ import pytest
 
 def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto", stage: int = 2):
     from llmz.data import write_tokens
-    from llmz.launch import init_ranks
+    from llmz.run.launch import init_ranks
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     path = os.path.join(tmp_path, "tokens.bin")

@@ -14,9 +14,9 @@ from llmz.bf16 import f32_to_bf16
 from llmz.comm import LocalCommunicator
 from llmz.config import GPT2Config
 from llmz.device import gpu_available
-from llmz.launch import RankInfo
 from llmz.layout import Layout, init_parameters
 from llmz.optim import AdamW
+from llmz.run.launch import RankInfo
 from llmz.zero import make_stage
 from mpirun import REPO
 

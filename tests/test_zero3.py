@@ -113,7 +113,7 @@ def test_bf16_stage3_is_stage2_bit_for_bit(tmp_path):
 
 # ---- one rank, in this process -----------------------------------------------------------------------------
 def make_run(stage: int, *extra: str, precision: str = "fp64"):
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     args, kind = parse_args(["--device", "cpu", "--precision", precision, "--model", "tiny", "-b", "2", "-t", "8",
@@ -179,9 +179,9 @@ def test_each_stage_keeps_the_buffers_its_row_of_the_table_names(stage):
     from llmz.comm import Communicator
     from llmz.config import preset
     from llmz.device import Device
-    from llmz.launch import RankInfo
     from llmz.layout import Layout, init_parameters
     from llmz.optim import AdamW
+    from llmz.run.launch import RankInfo
     from llmz.zero import make_stage
     lay = Layout(preset("tiny", vocab_size=256), 2)
     start = init_parameters(lay, 0)
@@ -279,7 +279,7 @@ def test_timeline_shows_every_block_gather_but_the_first_issued_ahead(tmp_path, 
 def test_all_gather_from_a_slice_kept_elsewhere(rng):
     from llmz.comm import Communicator, LocalCommunicator
     from llmz.device import Device
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     x = rng.standard_normal(6)
     one = LocalCommunicator(RankInfo(0, 1, 0, 1, "here"), Device("cpu", np.float64))
     buf = np.full(6, np.nan)
@@ -302,14 +302,14 @@ def test_train_runs_stage_3_with_its_memory_report_samples_and_checkpoints(tmp_p
     assert p.returncode == 0, p.stderr
     start = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert start["memory"]["stage"] == 3 and start["memory"]["predicted"] == start["memory"]["measured"]
-    from llmz.state import load_checkpoint
+    from llmz.run.state import load_checkpoint
     assert load_checkpoint(str(tmp_path / "ck" / "step_000002")).meta["zero_stage"] == 3
 
 
 def test_bf16_stage3_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
     """The bf16 parameters are rebuilt from the saved fp32 master with the rounding draws of the saved step, then
     sharded: a resumed stage-3 run repeats the straight one bit for bit."""
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     from llmz.train import parse_args
     from llmz.trainer import train
 

@@ -39,7 +39,7 @@ class ZeroStage:
         self.optimizer = ShardedAdamW(self.ctx, opt, sharded, params_host)
         self.grad_store = grad_store(self.ctx, sharded)
         self.pviews = self.param_store                  # the parameter store the model asks p.bucket(b)
-        # the parts' buffers under their own names, for the code that reads them (llmz.guards' finite check,
+        # the parts' buffers under their own names, for the code that reads them (llmz.run.guards' finite check,
         # the tests): z.params or z.param_shard, z.grads or z.grad_shard, z.master (None in fp32), z.m, z.v
         for part in (self.param_store, self.grad_store, self.optimizer):
             for name, buf in part.buffers().items():
@@ -113,7 +113,7 @@ class ZeroStage:
         """Stage 3: the buckets gathered so far, in order (clear() it to count afresh)."""
         return self.param_store.all_gathers
 
-    # ---- the host side: checkpoints (llmz.state), the memory report (llmz.memory) -----------------------------
+    # ---- the host side: checkpoints (llmz.run.state), the memory report (llmz.memory) -----------------------------
     def full_parameters(self) -> np.ndarray:
         """Every parameter on the host, in the run's dtype (bf16: the uint16 bits). Stage 3 gathers them: call
         it on every rank."""

@@ -1,5 +1,5 @@
 """What a training run says: its lines on rank 0's stdout and, with --log FILE.jsonl, one JSON object a line
-(flushed line by line; a new run starts the file, a resumed run continues it, llmz.files.JsonLog):
+(flushed line by line; a new run starts the file, a resumed run continues it, llmz.run.files.JsonLog):
 
     {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from"}
     {"step", "val_loss"}                                 every --val-every steps and at the last
@@ -14,9 +14,10 @@ report. MFU is llm.c's: 6 * parameters + 6 * L * C * T flops per token against t
 """
 from __future__ import annotations
 
+from ..config import fmt_bytes
+from ..memory import table
 from . import threads
 from .files import JsonLog
-from .memory import fmt_bytes, table
 from .progress import Progress, fmt_duration
 
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
@@ -41,7 +42,9 @@ def flash_fallback(dev, config) -> str | None:
     saying the teaching kernels run it (hundreds of times slower) and what is faster; None otherwise."""
     if dev.kernel_set != "fast" or dev.attention != "flash" or dev.precision.name != "bf16":
         return None
-    from .fast.flash_attention import fallback_note  # numba: only once the device has loaded it (llmz.device)
+    from ..fast.flash_attention import (
+        fallback_note,  # numba: only once the device has loaded it (llmz.device)
+    )
     return fallback_note(config.channels // config.num_heads)
 
 

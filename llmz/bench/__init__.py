@@ -6,27 +6,28 @@ tokens/s, MFU and the GPU memory held. With no flags: on a GPU, GPT-2 124M (d12)
 benchmarks it; on a CPU, the model of llmz.train's default run (small) at its B=16, T=64, about 10 s on 2
 cores. `--per-kernel` adds a table of every kernel's time, `--vs-torch` the same step in PyTorch, `--layer`
 times one layer instead of the step (`--help` says each).
+
+The package: this file is the command and the step's timing; layers.py times one layer's teaching and fast
+versions (--layer), torch_ref.py the same step in PyTorch (--vs-torch).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
+from ..args import Parser, check_bench, check_kernels, check_train
+from ..config import RECOMPUTE, TrainConfig, describe_presets, preset
+from ..data import write_tokens
+from ..device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
+from ..precision import PRECISIONS
+from ..run.launch import abort_on_error, init_ranks
+from ..run.log import mfu
 from . import torch_ref
-from .args import Parser, check_bench, check_kernels, check_train
-from .config import RECOMPUTE, TrainConfig, describe_presets, preset
-from .data import write_tokens
-from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
-from .launch import abort_on_error, init_ranks
-from .precision import PRECISIONS
-from .runlog import mfu
 
 # the card's ceilings for the per-kernel table: HBM bandwidth, dense tensor-core throughput
 CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
@@ -74,12 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
       "card's ceilings (GPU only)")
     a("--vs-torch", nargs="?", const="eager", default=None, choices=("eager", "compile", "both"),
       help="after llmz, a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer "
-      "(llmz.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
+      "(llmz.bench.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
       "ms, tokens/s, peak memory and the ratio (default: not run)")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
     a("--layer", default=None, metavar="NAME", help="instead of the step, one layer's teaching and fast "
-      "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench_layers): error against "
+      "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench.layers): error against "
       "the NumPy reference, us per call, GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, "
       "gelu, residual, classifier, adamw, norm, accumulate, a comma-separated list, or all (default: the step)")
     a("--reps", type=int, default=20, help="--layer: timed calls per version and pass")
@@ -98,7 +99,7 @@ def fill_defaults(args, kind: str) -> None:
 
 def make_run(args, kind: str, data_path: str, stage: int):
     """An llmz.trainer.Trainer of `args` at ZeRO `stage`, training on the token file at data_path."""
-    from .trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
+    from ..trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
     cfg = TrainConfig(device=kind, precision=args.precision, kernels=args.kernels, matmul=args.matmul,
                       attention=args.attention, no_tf32=args.no_tf32, no_cuda_graph=args.no_cuda_graph,
                       zero_stage=stage, model=args.model, vocab_size=args.vocab_size, train_data=data_path,
@@ -116,19 +117,6 @@ def gpu_name(dev) -> str:
 HOLD_MS = 1500          # longer than the host takes to queue an eager micro-step (~0.1-0.3 s at d12)
 
 
-@functools.cache
-def hold_kernel():
-    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call); built on
-    first use, as numba may only be imported once the device kind is settled (llmz.device)."""
-    from numba import cuda
-
-    @cuda.jit
-    def hold(ms):
-        for _ in range(ms):
-            cuda.nanosleep(1000000)
-    return hold
-
-
 def per_kernel(run, step: int, precision: str) -> str:
     """One eager step with a CUDA event pair around every kernel and cuBLAS call: the table as text. (Events
     cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair would also count
@@ -136,6 +124,8 @@ def per_kernel(run, step: int, precision: str) -> str:
     small kernels read 10x their time), so the GPU first sleeps while the host queues the whole micro-step,
     and again while it queues the update: the pairs then time the GPU's work alone."""
     import cupy
+
+    from .layers import hold_kernel  # numba: the device is resolved by now
     dev = run.dev
     dev.synchronize()
     enabled, run.graphs.enabled = run.graphs.enabled, False
@@ -239,8 +229,8 @@ def bench(args) -> int:
     check_kernels(args, kind)
     fill_defaults(args, kind)
     if args.layer:
-        from . import bench_layers  # it imports the kernels, so numba: after the device is resolved
-        return bench_layers.main(args, kind)
+        from . import layers  # it imports the kernels, so numba: after the device is resolved
+        return layers.main(args, kind)
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
     rows = []
@@ -273,6 +263,3 @@ def bench(args) -> int:
             print(f"  llmz / PyTorch {mode} = {tps / r['tokens_per_s']:.3f}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
