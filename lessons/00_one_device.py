@@ -103,14 +103,14 @@ def lesson(a, ranks) -> int:
     x, y = run.train_loader.next_batch()                 # one batch, kept: its loss must fall
     dev.copy_from_host(run.x, x)
     dev.copy_from_host(run.y, y)
-    c = run.config
+    c = run.model.config
     common.say(ranks, f"training on {run.dev.kind} ({a.precision}): L={c.num_layers} C={c.channels} "
                f"V={c.vocab_size} B={B} T={T}, {run.layout.num_parameters:,} parameters, one batch {a.steps} times")
     losses = []
     for step in range(a.steps):
-        model.forward(z.pviews, run.x, run.y)                      # activations and per-position losses
+        model.forward(z.param_store, run.x, run.y)                 # activations and per-position losses
         losses.append(model.mean_loss())
-        model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
+        model.backward(z.param_store, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
         norm = z.update(step)              # reduce (one rank: nothing), norm, clip, AdamW; zero the gradients
         if common.shown(a, step):
             common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")

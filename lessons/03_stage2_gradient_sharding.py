@@ -51,7 +51,7 @@ def lesson(a, ranks) -> int:
     serial = common.make_run(a, ranks, stage=2, overlap=False)         # the same, serialised
     for r in (run, serial):
         common.apply_break(r.zero)
-    psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.config.num_layers
+    psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.model.config.num_layers
     common.say_setup(a, ranks, run)
     reduce_scatters = ("reduce-scatters in backward", lambda r: r.zero.reduce_scatters_in_backward)
     t = common.side_by_side(a, ranks, run, ref, ("stage 2", "stage 1"), serial=serial, trace=trace,

@@ -53,7 +53,7 @@ def lesson(a, ranks) -> int:
     serial = common.make_run(a, ranks, stage=3, overlap=False)         # the same, no prefetch
     for r in (run, serial):
         common.apply_break(r.zero)
-    psi, b, lay, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.layout, run.config.num_layers
+    psi, b, lay, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.layout, run.model.config.num_layers
     common.say_setup(a, ranks, run)
     gathers = ("all-gathers asked for", lambda r: list(r.zero.all_gathers))   # the buckets, in order
     t = common.side_by_side(a, ranks, run, ref, ("stage 3", "stage 2"), serial=serial, trace=trace,

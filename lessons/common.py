@@ -154,7 +154,7 @@ def apply_break(stage) -> None:
 
 def say_setup(a, ranks, run) -> None:
     """The lesson's first line: ranks, device, precision, communicator, the model and the batch."""
-    c = run.config
+    c = run.model.config
     say(ranks, f"{n_ranks(ranks.world_size)} on {run.dev.kind} ({a.precision}), comm {run.comm.name}: "
         f"L={c.num_layers} C={c.channels} B={a.batch_size} T={a.seq_len} K={a.grad_accum}, "
         f"Ψ = {run.layout.num_parameters:,} parameters")

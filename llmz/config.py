@@ -47,6 +47,8 @@ GPT2_VOCAB, BYTE_VOCAB = 50257, 256
 # --recompute (llm.c's -r), what backward computes again instead of keeping (llmz.model.Activations): 0 keep
 # everything, 1 GELU, 2 also the two layernorms a block, 3 also attention's (T, T) softmax (flash keeps none)
 RECOMPUTE = (0, 1, 2, 3)
+# --zero-stage: the ZeRO stages (llmz.zero.STAGES says what each shards)
+ZERO_STAGES = (0, 1, 2, 3)
 
 PRESETS = {
     "tiny": (2, 2, 16, BYTE_VOCAB),

@@ -147,9 +147,27 @@ class GPT2:
         # the layer functions: the op set the device runs (llmz.device.op_set: the NumPy references, the
         # teaching kernels or the fast ones); the same names and arguments in all three
         self.ops = dev.ops
-        # the batch's positions sorted by token (llmz.fast.encoder.wte_buckets, built on the host by whoever
-        # uploads the batch): the fast wte backward; None: the teaching kernel (which needs none)
+        # the batch's positions sorted by token, on the device (llmz.fast.encoder.wte_buckets; backward_plan
+        # makes it on the host, use_backward_plan uploads it): the fast wte backward; None: the teaching
+        # kernel, which needs none
         self.wte_buckets = None
+
+    # ---- the host's part of a backward, made ahead ----------------------------------------------------------
+    def backward_plan(self, inputs_host) -> np.ndarray | None:
+        """What a backward of the batch inputs_host ((B, T) int, on the host) needs the host to make: with the
+        fast kernels, its positions sorted by token for the wte gradient (llmz.fast.encoder.wte_buckets, ~2-3 ms
+        at B=16, T=1024: a caller makes the next batch's while the GPU runs this step); None with the others,
+        which need nothing."""
+        if not self.dev.fast:
+            return None
+        from .fast.encoder import wte_buckets
+        return wte_buckets(inputs_host)
+
+    def use_backward_plan(self, inputs_host, plan) -> None:
+        """The next backward is of inputs_host: its backward_plan (None: nothing to do) to the device."""
+        if plan is not None:
+            from .fast.encoder import wte_buckets_upload
+            self.wte_buckets = wte_buckets_upload(self.dev, inputs_host, plan)
 
     def forward(self, p, inputs, targets=None) -> None:
         """p: the parameter store, p.bucket(b) = bucket b's named views (b: embeddings 0, block l 1+l, lnf L+1);

@@ -31,8 +31,8 @@ STYLES = ("-", "--", ":", "-.")
 
 
 @dataclass
-class RunLog:
-    """What one log file holds, sorted by step."""
+class LogFile:
+    """What one --log file holds (llmz.run.log writes it), sorted by step."""
     path: str
     label: str
     start: dict = field(default_factory=dict)       # the start record ({} if the log has none)
@@ -71,7 +71,7 @@ def describe(start: dict) -> str:
     return ", ".join(bits)
 
 
-def read_log(path: str) -> RunLog:
+def read_log(path: str) -> LogFile:
     """Parse one --log file; an unreadable or malformed one raises LlmzError naming the file and line."""
     if not os.path.exists(path):
         raise LlmzError(f"{path}: no such file")
@@ -82,7 +82,7 @@ def read_log(path: str) -> RunLog:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise LlmzError(f"{path}: cannot read as a text log ({getattr(e, 'strerror', None) or e})") from None
-    log = RunLog(path, "")
+    log = LogFile(path, "")
     lines = text.split("\n")
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -112,7 +112,7 @@ def read_log(path: str) -> RunLog:
     return log
 
 
-def label_runs(runs: list[RunLog], labels: list[str] | None = None) -> None:
+def label_runs(runs: list[LogFile], labels: list[str] | None = None) -> None:
     """Name each run for the legend: the given labels, else the file's name (its path, where two runs'
     file names are the same) and what its start record says (ZeRO stage, ranks, precision)."""
     if labels:
@@ -140,13 +140,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def auto_window(runs: list[RunLog]) -> int:
+def auto_window(runs: list[LogFile]) -> int:
     """The default smoothing: an odd window of about 1/50 of the longest run's steps (1: none)."""
     n = max(len(r.train) for r in runs)
     return (n // 50) | 1
 
 
-def figure(runs: list[RunLog], x: str = "step", smooth: int = 1, title: str | None = None):
+def figure(runs: list[LogFile], x: str = "step", smooth: int = 1, title: str | None = None):
     """A matplotlib figure of the runs' curves (four panels; per-step values averaged over `smooth` steps,
     the raw ones faint behind). Every line of a run carries its label; val-loss lines' labels end in (val)."""
     import matplotlib
@@ -213,7 +213,7 @@ def save(fig, path: str) -> None:
     atomic_write(path, [buf.getvalue()])
 
 
-def summary_line(run: RunLog) -> str:
+def summary_line(run: LogFile) -> str:
     steps, loss = run.series("loss")
     parts = [f"{run.label}: {len(steps)} steps"]
     if loss:

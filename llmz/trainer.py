@@ -29,7 +29,6 @@ from .config import GPT2Config, TrainConfig
 from .data import DataLoader, check_same_data
 from .device import Device
 from .errors import AgreedError, LlmzError, before_any_work
-from .fast.encoder import wte_buckets, wte_buckets_upload
 from .graph import Graphs
 from .model import GPT2, generate
 from .optim import AdamW
@@ -60,10 +59,10 @@ class Trainer:
         self.tok = load_tokenizer(cfg.tokenizer)
         self.resumed = checkpoints.find(cfg, ranks, self.notes)
         self.run_id = run_identity(self.resumed, ranks)             # kept across resumes (a collective)
-        self.config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size,
+        config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size,
                                                                self.resumed)
-        self.sampler = Sampler(cfg, self.tok, self.config, self.dev, self.notes)
-        B, T, V = cfg.batch_size, cfg.seq_len, self.config.vocab_size
+        self.sampler = Sampler(cfg, self.tok, config, self.dev, self.notes)
+        B, T, V = cfg.batch_size, cfg.seq_len, config.vocab_size
         self.train_loader = DataLoader(cfg.train_data, B, T, self.rank, self.world_size, shuffle=cfg.shuffle,
                                        seed=cfg.seed, vocab_size=V)
         self.val_loader = (DataLoader(cfg.val_data, B, T, self.rank, self.world_size, vocab_size=V)
@@ -78,7 +77,7 @@ class Trainer:
             predicted = memory.predicted(self.layout, cfg.zero_stage, B, T, value_bytes, flash=flash,
                                          recompute=cfg.recompute)
             check_fits(predicted, free, total, self.dev.gpu_index)
-        self.model = GPT2(self.config, self.dev, B, T, recompute=cfg.recompute)
+        self.model = GPT2(config, self.dev, B, T, recompute=cfg.recompute)    # its shape: self.model.config
         self.tracer = Tracer(self.dev, self.rank) if cfg.trace else None
         self.zero = make_stage(cfg.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
                                overlap=not cfg.no_overlap, tracer=self.tracer, seed=cfg.seed,
@@ -125,8 +124,8 @@ class Trainer:
         No host synchronisation, no allocation (a CUDA graph captures it)."""
         z, m, cfg = self.zero, self.model, self.cfg
         # forward to the logits; backward's fused classifier computes the losses and dlogits in one pass
-        m.forward(z.pviews, self.x)
-        m.backward(z.pviews, z, self.x, self.y, 1.0 / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
+        m.forward(z.param_store, self.x)
+        m.backward(z.param_store, z, self.x, self.y, 1.0 / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
         self.dev.ops.sum_into(self.dev, self.loss_sum, m.acts.losses)
         z.backward_done()
 
@@ -146,28 +145,27 @@ class Trainer:
     # ---- batches ---------------------------------------------------------------------------------------
     def next_batch(self, loader, backward: bool = False) -> None:
         """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream). backward:
-        the batch's backward follows, so with the fast kernels also its positions sorted by token (their wte
-        backward; a forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it
-        is this batch's."""
+        the batch's backward follows, so also what the model's backward needs of it (GPT2.backward_plan; a
+        forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it is this
+        batch's."""
         prepared = self.prepared
         if prepared is None or prepared[:2] != (loader, loader.position):
             prepared = self.prepare_batch(loader, backward)
         self.prepared = None
-        _, _, x, y, table = prepared
+        _, _, x, y, plan = prepared
         loader.position += 1
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
-        if backward and table is not None:
-            self.model.wte_buckets = wte_buckets_upload(self.dev, x, table)
+        if backward:
+            self.model.use_backward_plan(x, plan)
 
     def prepare_batch(self, loader, backward: bool = True) -> tuple:
-        """The host side of the loader's next batch: (loader, position, x, y, its wte bucket table for a
-        backward with the fast kernels, else None), kept for next_batch. Called while the GPU is busy (after
-        the update is queued), so the sort of the next batch's tokens (~2-3 ms at B=16, T=1024) costs no GPU
-        time."""
+        """The host side of the loader's next batch: (loader, position, x, y, the model's backward_plan of it
+        for a backward, else None), kept for next_batch. Called while the GPU is busy (after the update is
+        queued), so the host's part of the next backward costs no GPU time."""
         x, y = loader.peek()
-        table = wte_buckets(x) if backward and self.dev.fast else None
-        self.prepared = (loader, loader.position, x, y, table)
+        plan = self.model.backward_plan(x) if backward else None
+        self.prepared = (loader, loader.position, x, y, plan)
         return self.prepared
 
     # ---- across ranks, and on the host -----------------------------------------------------------------
@@ -185,7 +183,7 @@ class Trainer:
         total = 0.0
         for _ in range(n):
             self.next_batch(self.val_loader)
-            self.model.forward(self.zero.pviews, self.x, self.y)
+            self.model.forward(self.zero.param_store, self.x, self.y)
             total += self.model.mean_loss()
         return self.mean_over_ranks(total / n)
 
@@ -217,18 +215,19 @@ class Sampler:
         """The seed of the next printed sample, from the run's RNG (saved in checkpoints)."""
         return int(self.rng.integers(2**31))
 
-    def sample(self, pviews, prompt_ids, n_tokens: int, seed: int) -> list[int]:
+    def sample(self, params, prompt_ids, n_tokens: int, seed: int) -> list[int]:
         """The prompt and n_tokens ids after it (no prompt: those alone, after a start token), from the
-        parameter store pviews (llmz.model): at ZeRO stage 3 it gathers the parameters, so every rank calls it."""
+        parameter store `params` (llmz.model): at ZeRO stage 3 it gathers the parameters, so every rank calls
+        it."""
         if self.model is None:
             self.model = GPT2(self.config, self.dev, 1, self.T)
-        ids = generate(self.model, pviews, list(prompt_ids) or [start_id(self.tok)], n_tokens, seed,
+        ids = generate(self.model, params, list(prompt_ids) or [start_id(self.tok)], n_tokens, seed,
                        vocab=self.vocab)
         return list(prompt_ids) + ids
 
-    def text(self, pviews) -> str:
+    def text(self, params) -> str:
         """A sample of --sample-tokens tokens from an empty prompt, decoded, with the run's next seed."""
-        return self.tok.decode(self.sample(pviews, [], self.n_tokens, self.next_seed()))
+        return self.tok.decode(self.sample(params, [], self.n_tokens, self.next_seed()))
 
 
 def train(cfg: TrainConfig, kind: str, ranks) -> dict:
@@ -268,7 +267,7 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
                 if not math.isfinite(loss):
                     stop(f"step {step}: non-finite validation loss {loss}")
             if sample:
-                log.sample(run.sampler.text(run.zero.pviews))
+                log.sample(run.sampler.text(run.zero.param_store))
             out, seconds = run.timed_step(step, trace=cfg.trace if step == traced else None)
             if cfg.trace and step == traced:
                 log.say(f"timeline {cfg.trace} (and .png), step {step}: {run.tracer.measured}")
@@ -300,7 +299,7 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     # other stages a rank that did not generate would wait as long for rank 0 in its next collective, a wait
     # the collective watchdog's deadline would have to cover
     if cfg.sample_tokens:
-        log.say("--- sample ---\n" + run.sampler.text(run.zero.pviews) + "\n--------------")
+        log.say("--- sample ---\n" + run.sampler.text(run.zero.param_store) + "\n--------------")
     return summary
 
 

@@ -129,14 +129,13 @@ def test_one_rank_stage3_equals_stage2_bit_for_bit(precision):
     losses = [[r.step(s)["loss"] for s in range(3)] for r in runs]
     assert losses[0] == losses[1]
     assert np.array_equal(runs[0].host_params(), runs[1].host_params())
-    assert not hasattr(runs[1].zero, "params")          # no full parameter buffer at stage 3
+    assert not hasattr(runs[1].zero.param_store, "params")     # no full parameter buffer at stage 3
 
 
 def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_order():
     run = make_run(3)
     z = run.zero
     store = z.param_store                               # the parameter store: what the model's p.bucket(b) asks
-    assert z.pviews is store
     asked = []
     real = store.bucket
 
@@ -147,7 +146,7 @@ def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_o
     # a forward-only pass (validation, sampling): every block once, in order, the next one gathered ahead
     run.next_batch(run.train_loader)
     z.all_gathers.clear()
-    run.model.forward(z.pviews, run.x, run.y)
+    run.model.forward(z.param_store, run.x, run.y)
     assert asked == [0, 1, 2, 3]
     assert z.all_gathers == ["block0", "block1"] and store.prefetched is None
     # a training micro-step: forward, then backward from block L-1 down, each block gathered again
@@ -167,7 +166,7 @@ def test_stage3_parameter_path_makes_no_event_and_allocates_nothing_after_start_
     real = run.dev.event
     monkeypatch.setattr(run.dev, "event", lambda *a, **k: made.append(1) or real(*a, **k))
     before = dict(run.zero.allocated)
-    run.model.forward(run.zero.pviews, run.x, run.y)
+    run.model.forward(run.zero.param_store, run.x, run.y)
     run.zero.gather_parameters()
     assert made == [] and run.zero.allocated == before
 
@@ -187,18 +186,19 @@ def test_each_stage_keeps_the_buffers_its_row_of_the_table_names(stage):
     start = init_parameters(lay, 0)
     z = make_stage(stage, lay, Device("cpu", np.float64), Communicator(RankInfo(1, 2, 1, 2, "here")), AdamW(), start)
     whole, mine = lay.total, lay.shard_total
-    kept = {name: getattr(z, name).size for name in ("params", "param_shard", "grads", "grad_shard", "m", "v")
-            if hasattr(z, name)}
+    kept = {name: a.size for part in (z.param_store, z.grad_store, z.optimizer)
+            for name, a in part.buffers().items() if name != "master"}
     params = {"params": whole} if stage < 3 else {"param_shard": mine}
     grads = {"grads": whole} if stage < 2 else {"grad_shard": mine}
     assert kept == {**params, **grads, "m": whole if stage == 0 else mine, "v": whole if stage == 0 else mine}
-    assert z.master is None                             # fp64: no master copy
+    assert z.optimizer.master is None                   # fp64: no master copy
     # the parameters start as the host's: all of them, or my slice of every bucket
     if stage < 3:
-        assert np.array_equal(z.params, start)
+        assert np.array_equal(z.param_store.params, start)
     else:
-        assert np.array_equal(z.param_shard, np.concatenate([start[b.offset + b.shard_size:b.offset + b.padded_size]
-                                                             for b in lay.buckets]))
+        assert np.array_equal(z.param_store.param_shard,
+                              np.concatenate([start[b.offset + b.shard_size:b.offset + b.padded_size]
+                                              for b in lay.buckets]))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

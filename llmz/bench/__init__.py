@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..args import Parser, check_bench, check_kernels, check_train
-from ..config import RECOMPUTE, TrainConfig, describe_presets, preset
+from ..config import RECOMPUTE, ZERO_STAGES, TrainConfig, describe_presets, preset
 from ..data import write_tokens
 from ..device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from ..precision import PRECISIONS
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
       "instead of replaying the step as a CUDA graph")
     a("--recompute", "-r", type=int, choices=RECOMPUTE, default=0, help="as in llmz.train: 1 recomputes GELU "
       "in backward, 2 also the layernorms, 3 also attention's softmax (less activation memory, the same numbers)")
-    a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
+    a("--zero-stage", type=int, choices=ZERO_STAGES, nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=None, help="untimed steps first: compilation, CUDA graph capture, caches "
       "(default: 3; 1 on sim)")

@@ -129,11 +129,11 @@ class Checkpoints:
         run.comm.barrier()                    # the folder exists and holds no stale DONE
         host = run.host_params()
         if self.rank == 0:
-            model_file.save_model(os.path.join(folder, state.MODEL_FILE), run.config, host, run.layout,
+            model_file.save_model(os.path.join(folder, state.MODEL_FILE), run.model.config, host, run.layout,
                                   dtype=run.precision.model_file, seq_len=cfg.seq_len)
         meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
                 "zero_stage": cfg.zero_stage, "precision": cfg.precision,
-                "config": run.config.to_dict(), "flags": resume_flags(cfg),
+                "config": run.model.config.to_dict(), "flags": resume_flags(cfg),
                 "data": run.train_loader.state(), "rng": run.sampler.rng.bit_generator.state,
                 "buckets": state.shard_table(run.layout, self.rank), "run_id": run.run_id}
         state.write_state(state.state_path(folder, self.rank), meta, run.zero.state_slices(host))
@@ -152,7 +152,7 @@ class Checkpoints:
         run.guards.refuse_non_finite(step, f"--save {path}", self.last)
         host = run.host_params()
         if self.rank == 0:
-            model_file.save_model(path, run.config, host, run.layout, dtype=run.precision.model_file,
+            model_file.save_model(path, run.model.config, host, run.layout, dtype=run.precision.model_file,
                                   seq_len=self.cfg.seq_len)
 
     def forget(self, step: int) -> str:

@@ -63,9 +63,7 @@ class Guards:
         beyond 1e154 counts as non-finite: such a model has diverged anyway), summed over the ranks (m and v
         are sharded), read once."""
         z = self.zero
-        params = z.param_shard if z.stage == 3 else z.params       # stage 3: my slice; else all of them
-        arrays = [a for a in (params, z.master, z.m, z.v) if a is not None]
-        for i, x in enumerate(arrays):
+        for i, x in enumerate(z.state_arrays()):
             self.dev.ops.norm_squared(self.dev, self.finite_sq, x, self.finite_scratch, accumulate=i > 0)
         z.comm_waits_for_compute()
         self.comm.all_reduce(self.finite_sq, op="sum")

@@ -92,7 +92,7 @@ class RunLog:
 
     def begin(self, notes: list[str]) -> None:
         """The run's first lines (device, model, batch, memory, notes) and the log's start record."""
-        run, cfg, ranks, c, d = self.run, self.cfg, self.ranks, self.run.config, self.run.dev
+        run, cfg, ranks, c, d = self.run, self.cfg, self.ranks, self.run.model.config, self.run.dev
         self.say(f"llmz: {d.kind} {cfg.precision}, {d.describe()}, {ranks.world_size} rank(s), comm "
                  f"{run.comm.name}, ZeRO stage {cfg.zero_stage}; {threads.note(ranks.local_size)}")
         self.say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} "
@@ -135,7 +135,7 @@ class RunLog:
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
         tps = run.tokens_per_step / seconds
-        util = mfu(tps, run.config, cfg.seq_len, run.dev, cfg.precision)
+        util = mfu(tps, run.model.config, cfg.seq_len, run.dev, cfg.precision)
         rec = {"step": step, "loss": loss, "lr": run.opt.lr_at(step), "grad_norm": norm, "ms": seconds * 1e3,
                "tokens_per_s": tps, "elapsed_s": self.progress.elapsed, "eta_s": self.progress.eta}
         if util is not None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..config import GPT2Config
+from ..config import ZERO_STAGES, GPT2Config
 from ..errors import LlmzError, UsageError, before_any_work
 from ..layout import Layout
 from .files import (
@@ -127,7 +127,7 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
             bad(f"{key} is {meta.get(key)!r}, not an integer >= 0")
     if meta["world_size"] < 1 or meta["rank"] >= meta["world_size"]:
         bad(f"rank {meta['rank']} of world size {meta['world_size']}")
-    if meta["zero_stage"] not in (0, 1, 2, 3):
+    if meta["zero_stage"] not in ZERO_STAGES:
         bad(f"ZeRO stage {meta['zero_stage']}")
     if meta.get("precision") not in DTYPES:
         bad(f"precision {meta.get('precision')!r} (expected one of {', '.join(DTYPES)})")
