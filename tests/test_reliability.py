@@ -274,7 +274,7 @@ def test_a_model_wider_than_its_tokenizer_trains_saves_and_samples_among_the_tok
 def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoint(tmp_path, monkeypatch):
     from llmz.trainer import Sampler
 
-    def broken(self, pviews):
+    def broken(self, params):
         raise RuntimeError("the sample failed")
     monkeypatch.setattr(Sampler, "text", broken)
     with pytest.raises(RuntimeError):
