@@ -59,8 +59,7 @@ class Trainer:
         self.tok = load_tokenizer(cfg.tokenizer)
         self.resumed = checkpoints.find(cfg, ranks, self.notes)
         self.run_id = run_identity(self.resumed, ranks)             # kept across resumes (a collective)
-        config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size,
-                                                               self.resumed)
+        config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size, self.resumed)
         self.sampler = Sampler(cfg, self.tok, config, self.dev, self.notes)
         B, T, V = cfg.batch_size, cfg.seq_len, config.vocab_size
         self.train_loader = DataLoader(cfg.train_data, B, T, self.rank, self.world_size, shuffle=cfg.shuffle,
