@@ -68,7 +68,7 @@ if [[ $what == step ]]; then
   for m in d12 d48; do grep -v Warn "$OUT/step_$m.txt" | head -40; done
 fi
 if [[ $what == flash ]]; then
-  timeout 400 $py dev/flash_attention.py --model d12 d48 > "$OUT/flash.txt" 2>&1
+  timeout ${FLASH_TIMEOUT:-400} $py dev/flash_attention.py --model d12 d48 ${FLASH_VERSIONS:-} > "$OUT/flash.txt" 2>&1
   grep -v Warn "$OUT/flash.txt" | sed -n '/^flash attention, bf16/,$p' | head -60
 fi
 if [[ $what == vs-torch ]]; then
