@@ -23,9 +23,13 @@ class Blocking:
 
     def reduce_scatter(self, buf, op: str = "avg") -> None:
         """Rank r ends with slice r of the average (op="sum": the sum) of every rank's buf, in its place in
-        buf; the other slices of buf are left undefined."""
+        buf. The other slices hold nothing defined (llmz.comm); here they are set to NaN, so that code which
+        reads one shows it (its losses turn NaN) instead of passing by luck (MPI's happen to hold copies)."""
         self.dev.synchronize()
         self.comm.reduce_scatter(buf, op)
+        n, r = buf.size // self.world_size, self.rank
+        for other in (buf[:r * n], buf[(r + 1) * n:]):
+            self.dev.ops.fill(self.dev, other, np.nan)
         self.dev.synchronize()
 
     def all_gather(self, buf, src=None) -> None:
