@@ -28,8 +28,8 @@ Write it yourself: lessons/exercises/02_stage1.py is llmz/plain/stage1.py with i
 import sys
 
 from lessons import common
-from llmz.plain.stage0 import Stage0
 from llmz.memory import fmt_bytes
+from llmz.plain.stage0 import Stage0
 
 
 def lesson(a, ranks) -> int:

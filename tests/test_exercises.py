@@ -121,8 +121,8 @@ WRONG = [
      "self.k.accumulate_shard(self.dev, self.grad_shard[:bucket.shard_size]", {1, 6}),
     ("03_stage2_gradient_sharding", "a slot reused before it was emptied (added, never zeroed)",
      "self.k.accumulate_shard(self.dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank)",
-     "self.grad_shard[at:at + bucket.shard_size] += "
-     "buf[self.rank * bucket.shard_size:(self.rank + 1) * bucket.shard_size]", {1, 6}),
+     ("self.grad_shard[at:at + bucket.shard_size] += "
+      "buf[self.rank * bucket.shard_size:(self.rank + 1) * bucket.shard_size]"), {1, 6}),
     ("03_stage2_gradient_sharding", "the embeddings and lnf never reduce-scattered",
      "        bucket, buf = self.layout.buckets[b], self.buffer(b)\n",
      "        bucket, buf = self.layout.buckets[b], self.buffer(b)\n        if b in self.ends:\n            return\n",
@@ -141,9 +141,9 @@ WRONG = [
      "            pass", {1, 4, 5, 6}),
     ("05_stage3_parameter_sharding", "the embeddings and lnf gathered every time they are asked for",
      "            return self.param_ends[b]\n",
-     "            at = self.layout.shard_offset(self.layout.buckets[b])\n"
-     "            self.comm.all_gather(self.param_ends[b], src=self.param_shard[at:at + "
-     "self.layout.buckets[b].shard_size])\n            return self.param_ends[b]\n", {4, 5}),
+     ("            at = self.layout.shard_offset(self.layout.buckets[b])\n"
+      "            self.comm.all_gather(self.param_ends[b], src=self.param_shard[at:at + "
+      "self.layout.buckets[b].shard_size])\n            return self.param_ends[b]\n"), {4, 5}),
     ("05_stage3_parameter_sharding", "a block gathered without my slice (the slot's stale one sent)",
      "self.comm.all_gather(slot, src=self.param_shard[at:at + bucket.shard_size])", "self.comm.all_gather(slot)",
      {1, 6}),

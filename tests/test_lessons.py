@@ -68,7 +68,7 @@ def test_the_plain_stage_is_llmz_zeros_bit_for_bit_on_1_3_and_4_ranks(ranks, nam
     non-blocking one waited for), so their MPI sums run in the same order at any N: the same bits."""
     p = run_lesson(name, tmp_path, ranks=ranks, args=("--steps", "3"))
     assert p.returncode == 0, p.stdout + p.stderr
-    i, n, text, verdict = checkpoints(p.stdout)[SAME_AS_PRODUCTION[name] - 1]
+    _, _, text, verdict = checkpoints(p.stdout)[SAME_AS_PRODUCTION[name] - 1]
     assert verdict == "PASS" and f"equal on {ranks} of {ranks} rank" in text, text
 
 

@@ -45,7 +45,7 @@ class PlainStage:
     master = None                                   # no fp32 master copy: the values are fp32 or fp64
 
     def __init__(self, layout, dev, comm, opt):
-        from ..kernels.norm import NORM_BLOCKS      # numba: imported once the device is chosen (the simulator)
+        from ..kernels.norm import NORM_BLOCKS  # numba: imported once the device is chosen (the simulator)
         assert not dev.precision.bf16, "the plain stages keep fp32 or fp64 values (llmz.zero's do bf16)"
         self.layout, self.dev, self.opt, self.rank = layout, dev, opt, comm.rank
         self.comm = Blocking(comm, dev)
