@@ -15,7 +15,7 @@ One training step:
     backward   d(loss)/d(every parameter), accumulated (+=) into the gradient buffer, bucket by bucket
     update     the gradient norm, clipping, then AdamW: p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p);
                then the gradients are zeroed for the next step
-The update is llmz/plain/step.py: read it first (40 lines). It is what this lesson trains with; llmz.zero's
+The update is llmz/plain/step.py: read it first (one screen). It is what this lesson trains with; llmz.zero's
 stage 0, the production code, trains beside it and must end with the same bits. Each later lesson changes that
 file into the next ZeRO stage (llmz/plain/, `--diff`).
 

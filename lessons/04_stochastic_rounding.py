@@ -17,7 +17,7 @@ The random integer must not come from a generator with state, or a resume (or an
 different bits: llmz hashes (seed, element index, step) into it (llmz/bf16.py), so the same inputs give the
 same bits on every run and every rank. ZeRO-2's op is accumulate_shard_bf16: add my slice of the slot into
 my shard in fp32, round back to bf16, zero the slot. llmz/plain/rounding.py writes it plainly in NumPy (read it:
-25 lines); llmz/kernels/accumulate.py has the kernel, one launch, and the NumPy reference a cpu Device runs.
+one screen); llmz/kernels/accumulate.py has the kernel, one launch, and the NumPy reference a cpu Device runs.
 The same rounding writes the bf16 parameters after AdamW updates their fp32 master copy (adamw_update_bf16).
 
 The experiment: n accumulators start at 1.0 and receive K adds of g = 2^-10 (--steps K), in three ways:
