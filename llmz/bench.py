@@ -113,7 +113,8 @@ def gpu_name(dev) -> str:
     return dev.xp.cuda.runtime.getDeviceProperties(dev.gpu_index)["name"].decode() if dev.kind == "gpu" else ""
 
 
-HOLD_MS = 1500          # longer than the host takes to queue an eager micro-step (~0.1-0.3 s at d12)
+PACE_EVERY = 48        # --per-kernel: a hold kernel before every 48th timed region ...
+PACE_MS = 40           # ... sleeping longer than the host takes to queue them (~5 ms) and their events
 
 
 @functools.cache
@@ -129,34 +130,50 @@ def hold_kernel():
     return hold
 
 
-def per_kernel(run, step: int, precision: str) -> str:
+class Pacer:
+    """Keeps the GPU behind the host while every kernel is timed between two events: before every PACE_EVERY-th
+    timed region, an untimed kernel that sleeps PACE_MS while the host queues the next regions. A pair of events
+    around a kernel the GPU reaches before the host has launched it counts the launch (30-600 us), not the
+    kernel; one hold before a whole micro-step is not enough at d48 (~1,700 kernels and twice as many events
+    fill CUDA's launch queue, the host then waits for the GPU and falls behind: that table summed to 285 ms
+    against a 215 ms graphed step). `late`: the holds after which the host took longer than PACE_MS to queue
+    the next regions (the GPU may then have waited for it): 0, or the table is not the GPU's alone."""
+
+    def __init__(self, dev):
+        self.dev, self.n, self.holds, self.late, self.t = dev, 0, 0, 0, None
+
+    def __call__(self):
+        if self.n % PACE_EVERY == 0:
+            now = time.perf_counter()
+            if self.t is not None and (now - self.t) * 1e3 > 0.9 * PACE_MS:
+                self.late += 1
+            dev = self.dev
+            profile, dev.profile = dev.profile, None
+            dev.launch(hold_kernel(), 1, 1, PACE_MS)
+            dev.profile = profile
+            self.holds += 1
+            self.t = time.perf_counter()
+        self.n += 1
+
+
+def per_kernel(run, step: int, precision: str, graphed_ms: float | None = None) -> str:
     """One eager step with a CUDA event pair around every kernel and cuBLAS call: the table as text. (Events
-    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair would also count
-    any time the GPU waits for a slow Python launch (an eager bf16 step is paced by the host: measured, its
-    small kernels read 10x their time), so the GPU first sleeps while the host queues the whole micro-step,
-    and again while it queues the update: the pairs then time the GPU's work alone."""
+    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) The Pacer keeps the GPU
+    behind the host, so the pairs time the GPU's work alone; the table's sum is then compared with the graphed
+    step (graphed_ms): within a few percent when the method holds (the graph adds ~1 us a launch between
+    kernels and nothing else)."""
     import cupy
     dev = run.dev
     dev.synchronize()
     enabled, run.graphs.enabled = run.graphs.enabled, False
-    micro_step, optimize = run.micro_step, run.zero.optimize
-
-    def held(fn):
-        def call():
-            profile, dev.profile = dev.profile, None
-            dev.launch(hold_kernel(), 1, 1, HOLD_MS)        # untimed: the GPU waits, the host runs ahead
-            dev.profile = profile
-            fn()
-        return call
-    run.micro_step, run.zero.optimize = held(micro_step), held(optimize)
-    dev.profile = []
+    pacer = Pacer(dev)
+    dev.profile, dev.profile_pace = [], pacer
     try:
         run.step(step)
         dev.synchronize()
         records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
     finally:
-        dev.profile, run.graphs.enabled = None, enabled
-        run.micro_step, run.zero.optimize = micro_step, optimize
+        dev.profile, dev.profile_pace, run.graphs.enabled = None, None, enabled
     rows: dict[str, list] = {}
     for (name, _, _, flops, nbytes), ms in records:
         r = rows.setdefault(name, [0, 0.0, 0, 0])
@@ -166,7 +183,9 @@ def per_kernel(run, step: int, precision: str) -> str:
         r[3] += nbytes
     total = sum(r[1] for r in rows.values())
     ceil = next((v for k, v in CEILINGS.items() if k in gpu_name(dev)), None)
-    lines = [f"per kernel, one eager step ({len(records)} launches; sum {total:.1f} ms):",
+    against = (f"; {100 * total / graphed_ms:.1f}% of the graphed step's {graphed_ms:.2f} ms" if graphed_ms else "")
+    lines = [f"per kernel, one eager step ({len(records)} launches behind {pacer.holds} holds, {pacer.late} "
+             f"late; sum {total:.2f} ms{against}):",
              f"  {'kernel':<36}{'calls':>6}{'ms/step':>10}{'share':>8}{'achieved':>14}{'of ceiling':>12}"]
     for name, (calls, ms, flops, nbytes) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
         if flops:
@@ -216,7 +235,8 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     print(f"  memory, --recompute {args.recompute}: predicted {run.memory['predicted_total'] / 2**30:.2f} GiB "
           f"(llmz.memory){held}")
     if args.per_kernel:
-        print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
+        print(per_kernel(run, args.warmup + args.steps, args.precision, ms if run.graphs.enabled else None)
+              if dev.kind == "gpu"
               else "per kernel: needs a GPU (CUDA events)")
     run.comm.close()
     del run

@@ -238,6 +238,7 @@ class Device:
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None
         self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
+        self.profile_pace = None                         # called before each timed region (llmz.bench's pacer)
         # threads per block for 1-D kernels: the simulator runs each thread as a Python thread, keep it small
         self.block_size = 32 if self.kind == "sim" else 256
         if self.kind == "sim":
@@ -362,6 +363,8 @@ class Device:
         if self.profile is None or self.kind != "gpu":
             yield
             return
+        if self.profile_pace is not None:
+            self.profile_pace()
         s = stream or self.compute_stream
         e0, e1 = self.event(timing=True), self.event(timing=True)
         e0.record(s)

@@ -216,8 +216,11 @@ def test_nccl_watchdog_aborts_a_collective_that_never_runs_and_ends_the_process(
     took = time.time() - t0
     print(p.stdout, p.stderr, f"{took:.1f} s")
     assert p.returncode == TIMEOUT_EXIT, p.stderr
-    assert p.stderr.strip() == (f"error: collective watchdog: all_reduce #2 at step 7 did not complete within "
-                                f"--collective-timeout {TIMEOUT} s: the GPU never finished it"), p.stderr
+    # llmz's lines only: Numba may warn on stderr first (a NumbaPerformanceWarning about a small grid, seen on
+    # the H200), which is not llmz's to count
+    ours = [line for line in p.stderr.splitlines() if line.startswith(("error:", "rank "))]
+    assert ours == [f"error: collective watchdog: all_reduce #2 at step 7 did not complete within "
+                    f"--collective-timeout {TIMEOUT} s: the GPU never finished it"], p.stderr
     assert "still alive" not in p.stdout and took < TIMEOUT + 60        # + CUDA's and NCCL's start-up
 
 
