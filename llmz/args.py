@@ -450,7 +450,8 @@ def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_acc
           help="where figures go, named by model, ranks and K (default lessons_out)")
     if "--mine" in uses:
         a("--mine", metavar="FILE", default=None, help="train with FILE, your version of the lesson's plain "
-          "code (start from its exercise, lessons/exercises/), and grade it with the lesson's checkpoints")
+          "code (start from its exercise, lessons/exercises/), and grade it with the lesson's checkpoints "
+          "(default: none, the plain code of llmz/plain/)")
     a("--diff", action="store_true",
       help="print what this lesson changed from the one it builds on (a unified diff) and exit")
     args = p.parse_args(argv)
