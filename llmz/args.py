@@ -419,10 +419,11 @@ def check_bench(args) -> None:
 # ---- the lessons: python -m lessons.NN_name ------------------------------------------------------------
 # the flags a lesson may take beyond --device, --steps and --diff, which every lesson takes; each lesson names
 # those it uses (lessons.common.main), so its --help lists nothing it ignores
-LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every")
+LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every",
+                "--mine")
 # the settings of a flag a lesson does not take (the library's defaults: what the lesson runs with)
 LESSON_DEFAULTS = {"comm": "auto", "kernels": "auto", "attention": "auto", "model": None, "batch_size": None,
-                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None}
+                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None, "mine": None}
 
 
 def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_accum: int = 2,
@@ -466,6 +467,10 @@ def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_acc
     if "--out" in uses:
         a("--out", default="lessons_out",
           help="where figures go, named by model, ranks and K (default lessons_out)")
+    if "--mine" in uses:
+        a("--mine", metavar="FILE", default=None, help="train with FILE, your version of the lesson's plain "
+          "code (start from its exercise, lessons/exercises/), and grade it with the lesson's checkpoints "
+          "(default: none, the plain code of llmz/plain/)")
     a("--diff", action="store_true",
       help="print what this lesson changed from the one it builds on (a unified diff) and exit")
     args = p.parse_args(argv)

@@ -46,9 +46,10 @@ from .zero import make_stage
 
 
 class Trainer:
-    """One rank's run, built from `cfg` (TrainConfig.for_device filled in) on a resolved device `kind`."""
+    """One rank's run, built from `cfg` (TrainConfig.for_device filled in) on a resolved device `kind`.
+    make_stage builds its ZeRO stage: llmz.zero's, or in the lessons their plain twin's (llmz.plain)."""
 
-    def __init__(self, cfg: TrainConfig, kind: str, ranks):
+    def __init__(self, cfg: TrainConfig, kind: str, ranks, make_stage=make_stage):
         self.cfg, self.ranks = cfg, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.notes: list[str] = []                  # lines for rank 0 to print (resume decisions)
