@@ -12,7 +12,7 @@ What changes between the two (llm.c's dev/eval/export_hf.py does the same mappin
 - wte: llm.c pads it to Vp rows (a multiple of 128; the rows past V are zero and never used); Hugging Face
   has the V real rows. The output head is wte itself (tied) in both: no lm_head.weight is written.
 - config.json: n_positions = maxT, layer_norm_epsilon 1e-5 and activation gelu_new (the tanh GELU), as llm.c
-  computes; llmz_trained_seq_len keeps the T the model was trained at (llmz.checkpoint's header slot 8), so
+  computes; llmz_trained_seq_len keeps the T the model was trained at (llmz.run.model_file's header slot 8), so
   that llm.c -> Hugging Face -> llm.c gives back the same bytes.
 - generation_config.json: max_length = that trained T (maxT where the file does not say it), so transformers'
   generate() stops inside the window the model learned (positions past it were never trained: their text is
@@ -33,12 +33,11 @@ import sys
 import numpy as np
 
 from .bf16 import bf16_to_f32, f32_to_bf16
-from .checkpoint import load_model, model_header, save_llmc
 from .config import GPT2Config, padded_vocab
-from .data import atomic_write
 from .errors import LlmzError, UsageError
-from .files import check_memory, open_regular, read_bytes
 from .layout import Layout
+from .run.files import atomic_write, check_memory, open_regular, read_bytes
+from .run.model_file import load_model, model_header, save_llmc
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION_FILE = "generation_config.json"
@@ -293,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .files import prepare_folder, prepare_output
+    from .run.files import prepare_folder, prepare_output
     try:
         args = build_parser().parse_args(argv)
         try:

@@ -18,6 +18,16 @@ class UsageError(LlmzError):
     exit_code = 2
 
 
+class AgreedError(LlmzError):
+    """An error raised on every rank alike (after llmz.run.launch.agree, or a check every rank makes the same
+    way): rank 0 prints it once and every rank exits with its status; no rank waits for another, so no
+    MPI_Abort is needed."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 @contextlib.contextmanager
 def before_any_work():
     """Around the reading of the files the flags name, once the flags are checked and before any work: a

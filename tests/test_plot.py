@@ -132,7 +132,7 @@ def test_a_bad_log_or_flag_is_one_error_line_and_exit_2(tmp_path, rng, capsys, c
 
 
 def test_a_run_folders_log_is_named_by_its_folder(tmp_path, rng):
-    """runs/001/log.jsonl (llmz.rundir) is '001' in the legend; two folders of one name, their paths."""
+    """runs/001/log.jsonl (llmz.run.folder) is '001' in the legend; two folders of one name, their paths."""
     for folder in ("runs/001", "runs/002", "other/001"):
         (tmp_path / folder).mkdir(parents=True)
         write_log(tmp_path / folder / "log.jsonl", rng, 5, stage=0, world=1)

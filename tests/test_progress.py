@@ -1,10 +1,10 @@
-"""The ETA (llmz/progress.py): the units left times the median time of recent units, so the first unit (it
+"""The ETA (llmz/run/progress.py): the units left times the median time of recent units, so the first unit (it
 compiles and warms caches) and a slow one here and there do not make it; until a second unit is done the
 first's own time stands in."""
 import pytest
 
-from llmz import progress
-from llmz.progress import Progress, fmt_duration
+from llmz.run import progress
+from llmz.run.progress import Progress, fmt_duration
 
 
 @pytest.fixture

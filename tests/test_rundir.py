@@ -1,4 +1,4 @@
-"""The run folder (llmz/rundir.py): `python -m llmz.train` with no output flags writes its model and log into
+"""The run folder (llmz/run/folder.py): `python -m llmz.train` with no output flags writes its model and log into
 the next free runs/NNN, names it in its last line and points runs/latest at it, so the next command (sample)
 follows as written; a second run takes the next number; a folder holding another run is refused unless
 --resume continues it; --no-run-dir writes nothing; two ranks agree on one folder."""

@@ -12,7 +12,7 @@ threadpoolctl sets the size of the pools of the BLAS and OpenMP libraries alread
 NumPy before it knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment
 (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS) is kept.
 
-llmz.launch.init_ranks calls share_cores once the ranks are known; note() is the start line's words for it.
+llmz.run.launch.init_ranks calls share_cores once the ranks are known; note() is the start line's words for it.
 """
 from __future__ import annotations
 

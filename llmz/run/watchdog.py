@@ -56,9 +56,9 @@ import time
 
 import numpy as np
 
-from .lock import process_state
+from ..config import DEFAULT_TIMEOUT_S
+from .environment import process_state
 
-DEFAULT_TIMEOUT_S = 600.0     # PyTorch's default for NCCL (torch.distributed, 10 minutes)
 TIMEOUT_EXIT = 124            # exit status of a job ended by the watchdog (as timeout(1) reports a timeout)
 PEER_DIED_EXIT = 1
 SPIN_S = 1e-3                 # spin on MPI_Test this long (ranks in step finish a collective in microseconds),
@@ -224,7 +224,7 @@ class Watch:
         elif self.win is None:
             why = "the ranks that did not arrive cannot be told yet (MPI's start-up)"
         else:
-            why = self.missing(seq, self.survey())
+            why = missing(seq, self.survey(), self.neighbours)
             if alarm < 0:
                 self.alarm_others()
         cause = (f"waited {waited:.0f} s when rank {alarm}'s watchdog ended the job" if alarm >= 0 else
@@ -246,27 +246,6 @@ class Watch:
         second = self.boards([r for r, b in first.items() if b is not None], within=ASK_S)
         return {r: None if b is None or second.get(r) is None else (second[r], second[r][BEAT] != b[BEAT])
                 for r, b in first.items()}
-
-    def missing(self, seq: int, survey: dict) -> str:
-        """The ranks that hold collective #seq up: not waiting in a collective (their beat stands still) and
-        not past it; with where each stopped and, on this host, what its process is doing."""
-        late = []
-        for r, got in survey.items():
-            if got is None:
-                late.append(f"rank {r} (its board does not answer)")
-                continue
-            b, beating = got
-            if beating or b[DONE] >= seq:
-                continue
-            what = [f"it stopped {_where(b, seq)}"]
-            pid = next((pid for q, pid, _ in self.neighbours if q == r), None)
-            state = process_state(pid)[0] if pid else None
-            if state in STATES:
-                what.append(f"its process, pid {pid}, {STATES[state]}")
-            late.append(f"rank {r} ({'; '.join(what)})")
-        if not late:
-            return "every other rank waits in a collective too (a network or MPI failure?)"
-        return f"{', '.join(late)} did not arrive"
 
     def peer_died(self, r: int, pid: int, op: str, seq: int, step, on_expiry=None) -> None:
         self.ending.acquire()
@@ -290,6 +269,11 @@ class Watch:
             self.pause(GRACE_S)
             abort_job(self.world, code)
         os._exit(code)
+
+    def watch_nccl(self, gpu_index: int, abort) -> NcclWatchdog:
+        """Start the host thread that bounds this rank's NCCL collectives (NcclWatchdog, below); abort: the
+        communicator's ncclCommAbort."""
+        return NcclWatchdog(self, gpu_index, abort)
 
     def close(self) -> None:
         """At exit, before MPI_Finalize (every rank, like any collective): free the board once every rank is
@@ -344,6 +328,29 @@ def _where(board, seq: int) -> str:
     op = OPS[board[OP]] if 0 <= board[OP] < len(OPS) else "?"
     return (f"{'after' if board[DONE] >= board[POSTED] else 'inside'} {op} #{board[POSTED]} "
             f"{_at(None if board[STEP] < 0 else int(board[STEP]))}")
+
+
+def missing(seq: int, survey: dict, neighbours: list) -> str:
+    """The ranks that hold collective #seq up: not waiting in a collective (their beat stands still) and
+    not past it; with where each stopped and, on this host (neighbours: Watch.neighbours), what its process
+    is doing."""
+    late = []
+    for r, got in survey.items():
+        if got is None:
+            late.append(f"rank {r} (its board does not answer)")
+            continue
+        b, beating = got
+        if beating or b[DONE] >= seq:
+            continue
+        what = [f"it stopped {_where(b, seq)}"]
+        pid = next((pid for q, pid, _ in neighbours if q == r), None)
+        state = process_state(pid)[0] if pid else None
+        if state in STATES:
+            what.append(f"its process, pid {pid}, {STATES[state]}")
+        late.append(f"rank {r} ({'; '.join(what)})")
+    if not late:
+        return "every other rank waits in a collective too (a network or MPI failure?)"
+    return f"{', '.join(late)} did not arrive"
 
 
 class NcclWatchdog:

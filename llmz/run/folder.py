@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from .errors import LlmzError, UsageError
+from ..errors import LlmzError, UsageError
 from .files import prepare_folder, prepare_output
 
 RUNS_ENV = "LLMZ_RUNS"
