@@ -147,7 +147,8 @@ def test_prepared_files_train_and_sample_as_the_readme_shows(tmp_path, rng):
 
 def test_the_byte_tokenizer_has_one_name_and_takes_the_other_spelling(tmp_path, rng):
     (tmp_path / "a.txt").write_text(random_text(rng, 40), encoding="utf-8")
-    one, other = run("a.txt", "-o", "one", cwd=tmp_path), run("a.txt", "-o", "two", "--tokenizer", "bytes", cwd=tmp_path)
+    one = run("a.txt", "-o", "one", cwd=tmp_path)
+    other = run("a.txt", "-o", "two", "--tokenizer", "bytes", cwd=tmp_path)
     assert one.returncode == other.returncode == 0, one.stderr + other.stderr
     assert "(byte, 256 tokens)" in one.stdout and "(byte, 256 tokens)" in other.stdout
     for part in ("train", "val", "tokenizer"):

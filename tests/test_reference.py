@@ -36,7 +36,8 @@ def check(op, ref, arrays, calls=2):
         op(*ours)
         ref(*theirs)
         for i, (x, y) in enumerate(zip(ours, theirs)):
-            assert x is y is None or same_bits(x, y), f"call {call}: array {i} differs in {np.sum(x != y)} of {x.size} elements"
+            assert x is y is None or same_bits(x, y), \
+                f"call {call}: array {i} differs in {np.sum(x != y)} of {x.size} elements"
 
 
 @pytest.fixture(params=DTYPES, ids=["float32", "float64"])
