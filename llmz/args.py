@@ -34,6 +34,7 @@ from .sample import MAX_TOKENS, window
 from .state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
 from .tokenizer import load_tokenizer as load_any_tokenizer
 from .tokenizer import start_id
+from .watchdog import MIN_TIMEOUT_S
 
 # the ZeRO stages whose step --trace records (llmz.trace: each bucket's reduce-scatter against backward);
 # a stage that gets traced joins this tuple
@@ -121,7 +122,7 @@ def checkpoint_step(folder: str) -> tuple[int, str]:
     m = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
     try:
         with open(done) as f:
-            step = json.loads(f.read(4096)).get("step")
+            step = files.loads_json(f.read(4096)).get("step")
     except (OSError, ValueError, AttributeError):
         step = None
     if not isinstance(step, int):
@@ -232,7 +233,8 @@ def check_train_numbers(cfg: TrainConfig) -> None:
     non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
                  "keep", "lr", "weight_decay", "grad_clip")
     need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
-    positive(cfg, "collective_timeout")
+    need(cfg, ["collective_timeout"], lambda v: v >= MIN_TIMEOUT_S, f"at least {MIN_TIMEOUT_S:g} s: a shorter "
+         f"deadline cannot tell a stopped rank from one the scheduler paused, and would end healthy runs")
     need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
     need(cfg, ["recompute"], lambda v: v in RECOMPUTE, "0, 1, 2 or 3")

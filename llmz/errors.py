@@ -18,6 +18,20 @@ class UsageError(LlmzError):
     exit_code = 2
 
 
+def print_out(text: str) -> None:
+    """print(text) on stdout, flushed. A stdout that cannot take it (/dev/full, a full disk, a closed pipe) is
+    an LlmzError, one line for the command to print on stderr; stdout then points at /dev/null, so that
+    Python's own flush at exit adds no traceback of its own."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise LlmzError(f"cannot write to standard output ({e.strerror or e})") from None
+
+
 @contextlib.contextmanager
 def before_any_work():
     """Around the reading of the files the flags name, once the flags are checked and before any work: a

@@ -126,6 +126,16 @@ def read_array(f, dtype, count: int, path: str, what: str):
     return out
 
 
+def loads_json(text):
+    """json.loads, where a text nested too deep for Python's parser (a file of 100,000 brackets raises
+    RecursionError) is a json.JSONDecodeError like any other bad JSON: every reader's one line covers it."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply for this reader", text if isinstance(text, str) else "",
+                                   0) from None
+
+
 # ---- names: what the filesystem allows ------------------------------------------------------------------------
 TMP_SUFFIX = ".tmp"
 TMP_TAIL = len(".XXXXXXXX" + TMP_SUFFIX)    # what data.atomic_write's temporary name adds to a name
@@ -196,18 +206,48 @@ def check_name(path: str, flag: str, inside: str = "") -> None:
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
-def _make_folder(folder: str, flag: str, path: str) -> None:
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({e.strerror or e})") from None
+def _make_folder(folder: str, flag: str, path: str, create: bool = True) -> None:
+    """Create `folder` (and its parents) and check it can be written in; create=False: check only that it
+    could be (its nearest existing ancestor is a folder this process can write in), creating nothing."""
+    if not create:
+        at = os.path.abspath(folder)
+        while not os.path.exists(at) and os.path.dirname(at) != at:
+            at = os.path.dirname(at)
+        if not os.path.isdir(at):
+            raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({at} is not a folder)")
+        folder = at
+    else:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({e.strerror or e})") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise LlmzError(f"{flag} {path}: cannot write in {folder} (permission denied)")
 
 
-def prepare_output(path: str, flag: str) -> None:
+def make_folders(folder: str) -> list[str]:
+    """os.makedirs(folder), returning the folders it created, deepest first (remove_folders undoes it)."""
+    made, at = [], os.path.abspath(folder)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        made.append(at)
+        at = os.path.dirname(at)
+    os.makedirs(folder, exist_ok=True)
+    return made
+
+
+def remove_folders(made: list[str]) -> None:
+    """Remove the folders make_folders created, where still empty: a command that failed leaves nothing."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
+def prepare_output(path: str, flag: str, create: bool = True) -> None:
     """At start, for an output FILE a flag names: refuse a folder or a non-regular file under that name,
-    create the parent folders, and check that they can be written to."""
+    create the parent folders, and check that they can be written to (create=False: that they could be
+    created; the command makes them when it writes, so that a failure before leaves nothing behind)."""
     if not path:
         raise LlmzError(f"{flag}: empty file name")
     check_name(path, flag)
@@ -217,18 +257,19 @@ def prepare_output(path: str, flag: str) -> None:
         raise LlmzError(f"{flag} {path}: is a folder; name a file")
     if os.path.exists(path) and not os.path.isfile(path):
         raise LlmzError(f"{flag} {path}: exists and is not a regular file (a device or FIFO?); name a file")
-    _make_folder(os.path.dirname(os.path.abspath(path)), flag, path)
+    _make_folder(os.path.dirname(os.path.abspath(path)), flag, path, create)
 
 
-def prepare_folder(path: str, flag: str) -> None:
+def prepare_folder(path: str, flag: str, create: bool = True) -> None:
     """At start, for an output FOLDER a flag names (--checkpoint-dir): create it (and its parents); refuse a
-    file there, or a path so long that the files a checkpoint writes inside would not fit PATH_MAX."""
+    file there, or a path so long that the files a checkpoint writes inside would not fit PATH_MAX.
+    create=False: check that it could be created, as prepare_output."""
     if not path:
         raise LlmzError(f"{flag}: empty folder name")
     check_name(path, flag, inside=CHECKPOINT_ENTRY)
     if os.path.exists(path) and not os.path.isdir(path):
         raise LlmzError(f"{flag} {path}: exists and is not a folder")
-    _make_folder(path, flag, path)
+    _make_folder(path, flag, path, create)
 
 
 def holder(path: str) -> str:
@@ -285,7 +326,7 @@ def check_log(path: str, flag: str = "--log") -> None:
         while line := f.readline(1 << 20):
             n += 1
             try:
-                rec = json.loads(line)
+                rec = loads_json(line)
             except ValueError:
                 rec = None
             if isinstance(rec, dict) and (n > 1 or rec.get("event") == "start"):
@@ -331,7 +372,7 @@ class JsonLog:
         keep = []
         for i, line in enumerate(lines):
             try:
-                rec = json.loads(line)
+                rec = loads_json(line)
             except ValueError:
                 rec = None
             if not isinstance(rec, dict) and i < len(lines) - 1:    # check_log refused these at start

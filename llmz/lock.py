@@ -25,7 +25,7 @@ import socket
 import time
 
 from .errors import LlmzError, UsageError
-from .files import check_log, check_not_written, fit_name
+from .files import check_log, check_not_written, fit_name, loads_json
 
 
 def process_state(pid: int | None) -> tuple[str | None, int | None]:
@@ -93,7 +93,7 @@ class Lock:
     def _owner(self) -> dict | None:
         try:
             with open(self.path) as f:
-                owner = json.loads(f.read(4096) or "null")
+                owner = loads_json(f.read(4096) or "null")
             return owner if isinstance(owner, dict) else {}
         except FileNotFoundError:
             return None

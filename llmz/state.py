@@ -45,7 +45,7 @@ from .checkpoint import load_model
 from .config import GPT2Config
 from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
 from .errors import LlmzError, UsageError, before_any_work
-from .files import TMP_SUFFIX, read_array, read_bytes
+from .files import TMP_SUFFIX, loads_json, read_array, read_bytes
 from .launch import agree, allgather
 from .layout import Layout
 
@@ -399,7 +399,7 @@ def done_run_id(folder: str) -> str | None:
     """The run id a checkpoint's DONE names (None: none, or no readable DONE)."""
     try:
         with open(os.path.join(folder, DONE_FILE)) as f:
-            rid = json.loads(f.read(4096)).get("run_id")
+            rid = loads_json(f.read(4096)).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -413,7 +413,7 @@ def log_run_id(path: str) -> str | None:
             for line in f:
                 if line.startswith('{"event": "start"'):
                     try:
-                        rid = json.loads(line).get("run_id")
+                        rid = loads_json(line).get("run_id")
                     except ValueError:
                         pass
     except OSError:
