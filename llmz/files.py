@@ -348,10 +348,11 @@ class JsonLog:
     and this run writes those steps again): step and val records of steps >= S, checkpoint records after S,
     end records, and a torn last line. `dropped` counts them. The file is locked (flock) while it is open:
     a second run that names it otherwise (a symlink, a hard link) is refused, and nothing is truncated or
-    trimmed before the lock is held."""
+    trimmed before the lock is held. run_id: the resuming run's; a log whose last start record names another
+    run is not this run's to trim (llmz.state.check_run_identity refused it at start): refused here too."""
 
-    def __init__(self, path: str, resume_step: int | None = None):
-        self.path, self.dropped = path, 0
+    def __init__(self, path: str, resume_step: int | None = None, run_id: str | None = None):
+        self.path, self.dropped, self.run_id = path, 0, run_id
         what = f"log {path}"
         try:
             self.f = open(path, "a")            # noqa: SIM115  (closed by close()); truncated once locked
@@ -369,7 +370,7 @@ class JsonLog:
         from .data import atomic_write
         with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-        keep = []
+        keep, theirs = [], None
         for i, line in enumerate(lines):
             try:
                 rec = loads_json(line)
@@ -377,6 +378,8 @@ class JsonLog:
                 rec = None
             if not isinstance(rec, dict) and i < len(lines) - 1:    # check_log refused these at start
                 raise LlmzError(f"{self.path}: line {i + 1} is not a log record (changed since the start?)")
+            if isinstance(rec, dict) and rec.get("event") == "start":
+                theirs = rec.get("run_id")
             past = not isinstance(rec, dict) or rec.get("event") == "end" or (
                 isinstance(rec.get("step"), int) and (rec["step"] > step if rec.get("event") == "checkpoint"
                                                       else rec["step"] >= step))
@@ -384,6 +387,9 @@ class JsonLog:
                 self.dropped += 1
             else:
                 keep.append(line + "\n")
+        if self.dropped and isinstance(theirs, str) and self.run_id and theirs != self.run_id:
+            raise LlmzError(f"{self.path}: the log of run {theirs}, not of this run ({self.run_id}): not trimmed; "
+                            f"name a new --log")
         if self.dropped:
             atomic_write(self.path, ["".join(keep).encode()])
         return self.dropped

@@ -105,7 +105,7 @@ class RunLog:
         if start >= cfg.steps:
             self.say(f"nothing to train: the checkpoint is at step {start}, --steps is {cfg.steps}")
         if self.main and cfg.log:
-            self.file = JsonLog(cfg.log, resume_step=start if run.resumed else None)
+            self.file = JsonLog(cfg.log, resume_step=start if run.resumed else None, run_id=run.run_id)
             if self.file.dropped:
                 self.say(f"resume: {cfg.log}: dropped {self.file.dropped} record(s) an earlier attempt wrote "
                          f"past step {start}")

@@ -423,8 +423,10 @@ def log_run_id(path: str) -> str | None:
 
 def check_run_identity(args) -> list[str]:
     """Rank 0 of llmz.train, at start: the checkpoint --resume takes must be of the run that the other
-    complete checkpoints of --checkpoint-dir and the --log belong to; else refused (status 2) naming both
-    runs, unless --resume-other-run. Returns the notes to print."""
+    complete checkpoints of --checkpoint-dir belong to; else refused (status 2) naming both runs, unless
+    --resume-other-run. The --log must be this run's too, or new: a resume trims its log back to the step it
+    resumes from, which only the run that wrote the log may do, so another run's log is refused whatever the
+    flags (it stays whole; name a new --log). Returns the notes to print."""
     resume = args.resume
     if resume == "latest":
         resume = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -434,8 +436,11 @@ def check_run_identity(args) -> list[str]:
     others = [(p, done_run_id(p)) for _, p, done in checkpoints(args.checkpoint_dir) if done] \
         if args.checkpoint_dir else []
     others = [(f"checkpoint {p}", rid) for p, rid in others if rid and rid != mine]
-    if args.log and os.path.isfile(args.log) and log_run_id(args.log) not in (None, mine):
-        others.append((f"log {args.log}", log_run_id(args.log)))
+    log_run = log_run_id(args.log) if args.log and os.path.isfile(args.log) else None
+    if not others and log_run not in (None, mine):
+        raise UsageError(f"--log {args.log} is the log of run {log_run}, and --resume {resume} continues run {mine}: "
+                         f"a resume trims its log back to the step it resumes from, which only the run that wrote "
+                         f"the log may do; name a new --log for run {mine}")
     if not others:
         return []
     where, theirs = others[0]
@@ -443,4 +448,7 @@ def check_run_identity(args) -> list[str]:
             f"copied from another run?)")
     if not args.resume_other_run:
         raise UsageError(f"{line}; to continue run {mine} there anyway, add --resume-other-run")
+    if log_run not in (None, mine):
+        raise UsageError(f"{line}; --resume-other-run takes it, but --log {args.log} is the log of run {log_run}, "
+                         f"which only that run may trim: name a new --log for run {mine}")
     return [f"note: {line}; continuing it, as --resume-other-run says"]

@@ -131,7 +131,8 @@ def output_flags(a) -> None:
       "step whatever N is (default: about 25 lines a run, the round number nearest --steps / 25: 50 for the "
       "default cpu run's 1500 steps, 100 for the gpu's 2000)")
     a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is "
-      "of another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
+      "of another run than the rest of --checkpoint-dir (checkpoints carry their run's id); another run's --log "
+      "is refused all the same (a resume trims its log, and only the run that wrote a log may): name a new one")
     a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "
       "step and the rank(s) that did not arrive, when a collective between ranks waits longer than this (a "
       "rank stopped, hung or dead), MPI's start-up included; at least 1 s. The default, PyTorch's, is 40x the "

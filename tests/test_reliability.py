@@ -565,13 +565,25 @@ def test_a_checkpoint_of_another_run_is_named_and_refused_unless_the_user_says_s
     assert one_line(e) == (f"--resume {step_dir(ck, 4)} is a checkpoint of run {theirs}, but checkpoint "
                            f"{step_dir(ck, 2)} belongs to run {mine} (a checkpoint copied from another run?); to "
                            f"continue run {theirs} there anyway, add --resume-other-run")
-    shutil.rmtree(step_dir(ck, 2))              # the folder alone no longer tells, the log still does
-    with pytest.raises(LlmzError, match=f"but log {tmp_path / 'run.jsonl'} belongs to run {mine}"):
-        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl")
+    # --resume-other-run takes it, but never trims this run's log (only the run that wrote a log may): refused
+    log = tmp_path / "run.jsonl"
+    written = log.read_text()
+    with pytest.raises(LlmzError) as e:
+        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", log, "--resume-other-run")
+    assert f"--resume-other-run takes it, but --log {log} is the log of run {mine}, which only that run may " \
+        f"trim: name a new --log for run {theirs}" in one_line(e)
     capsys.readouterr()
-    train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl", "--resume-other-run")
+    train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "new.jsonl", "--resume-other-run")
     assert "continuing it, as --resume-other-run says" in capsys.readouterr().out
     assert json.loads(Path(step_dir(ck, 6), DONE_FILE).read_text())["run_id"] == theirs      # its run goes on
+    shutil.rmtree(step_dir(ck, 2))              # the folder alone no longer tells, the log still does
+    for flags in ([], ["--resume-other-run"]):
+        with pytest.raises(LlmzError) as e:
+            train_here("--steps", 8, "--resume", "--checkpoint-dir", ck, "--log", log, *flags)
+        assert one_line(e) == (f"--log {log} is the log of run {mine}, and --resume {step_dir(ck, 6)} continues run "
+                               f"{theirs}: a resume trims its log back to the step it resumes from, which only the "
+                               f"run that wrote the log may do; name a new --log for run {theirs}")
+    assert log.read_text() == written                                   # another run's log: left whole
 
 
 @pytest.mark.mpi
