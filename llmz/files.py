@@ -103,8 +103,13 @@ def read_bytes(f, n: int, path: str, what: str) -> bytes:
     return raw
 
 
-def read_array(f, dtype, count: int, path: str, what: str):
-    """`count` values of `dtype` from the file's position, into a new NumPy array, read in place."""
+HASH_CHUNK = 64 << 20       # read_array with a hash: bytes read while the previous piece is hashed
+
+
+def read_array(f, dtype, count: int, path: str, what: str, hasher=None):
+    """`count` values of `dtype` from the file's position, into a new NumPy array, read in place. hasher (a
+    hashlib object): updated with the bytes as they come, each HASH_CHUNK piece hashed by a thread while the
+    next is read (hashlib lets go of the GIL), so that the digest costs about what the slower of the two costs."""
     import numpy as np
     dtype = np.dtype(dtype)
     nbytes = count * dtype.itemsize
@@ -113,17 +118,32 @@ def read_array(f, dtype, count: int, path: str, what: str):
         out = np.empty(count, dtype)
     except MemoryError:
         raise LlmzError(f"{path}: out of memory reading {fmt_bytes(nbytes)} of this {what}") from None
-    view, at = memoryview(out).cast("B"), 0
+    read_into(f, memoryview(out).cast("B"), path, what, hasher)
+    return out
+
+
+def read_into(f, view: memoryview, path: str, what: str, hasher=None) -> None:
+    """Fill the bytes of `view` from the file's position (read_array's loop; hasher as there)."""
+    from concurrent.futures import ThreadPoolExecutor
+    nbytes, at = len(view), 0
+    pool = ThreadPoolExecutor(1, thread_name_prefix="llmz-hash") if hasher is not None else None
+    hashed = []
     try:
         while at < nbytes:
-            got = f.readinto(view[at:])
+            got = f.readinto(view[at:at + HASH_CHUNK] if pool else view[at:])
             if not got:
                 raise LlmzError(f"{path}: truncated while reading: {at} of {nbytes} payload bytes "
                                 "(did the file change?)")
+            if pool:
+                hashed.append(pool.submit(hasher.update, view[at:at + got]))     # in order: one thread
             at += got
     except OSError as e:
         raise LlmzError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    return out
+    finally:
+        if pool:
+            pool.shutdown(wait=True)
+    for h in hashed:
+        h.result()
 
 
 def loads_json(text):

@@ -13,7 +13,8 @@ Training-state file (little-endian):
     JSON    n bytes of UTF-8: step (optimizer steps done), world size, rank, ZeRO stage, precision, the model
             config, the flags that shape training, the data loader state, the RNG state (numpy's bit
             generator), this rank's slice of every bucket ([name, size, start, end]), the arrays that
-            follow ({name, dtype, count, crc32}), and the run id (below)
+            follow ({name, dtype, count, crc32}), the run id (below), and the data the run read,
+            data_files: {"--train-data": [[name, bytes, SHA-256 hex], ...], "--val-data": [...]}
     zeros   up to a multiple of 8 bytes
     arrays  params, m, v back to back: each is slice r of every bucket (llmz.layout), bucket by bucket,
             in the precision training ran in (so a float64 run resumes bit-exactly; model.bin is fp32)
@@ -127,6 +128,9 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
             bad(f"{key} is missing or not an object")
     if not isinstance(meta.get("run_id", ""), str):
         bad(f"run id {meta['run_id']!r} is not a string")
+    files = meta.get("data_files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, list) for v in files.values()):
+        bad(f"data_files {files!r} is not an object of lists")
     # the model config
     cfg = meta.get("config")
     names = [f.name for f in fields(GPT2Config)]

@@ -508,6 +508,31 @@ def test_resume_with_other_training_data_says_so(tmp_path, capsys):
     assert "changed: " in out and f"--train-data {other} (was " in out
 
 
+def test_resume_with_a_data_file_rewritten_under_its_name_is_refused_naming_both_digests(tmp_path, capsys):
+    import hashlib
+    data, ck, log = tmp_path / "t.bin", tmp_path / "ck", tmp_path / "run.jsonl"
+    write_tokens(str(data), np.random.default_rng(1).integers(0, 256, 5000))
+    then = hashlib.sha256(data.read_bytes()).hexdigest()
+    train_here("--steps", 1, "--train-data", data, "--checkpoint-dir", ck, "--log", log)
+    write_tokens(str(data), np.random.default_rng(2).integers(0, 256, 5000))     # other text, the same count
+    now = hashlib.sha256(data.read_bytes()).hexdigest()
+    written = log.read_text()
+    with pytest.raises(LlmzError) as e:
+        train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log)
+    assert one_line(e) == (f"--train-data {data} is not the file checkpoint {step_dir(ck, 1)} was trained on: sha256 "
+                           f"{now[:16]} now (11,024 bytes), {then[:16]} then (11,024 bytes); the run would go on at its "
+                           f"position in other data: restore the file, or add --resume-other-data to go on anyway")
+    assert e.value.exit_code == 2 and log.read_text() == written         # refused before any work
+    capsys.readouterr()
+    train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log,
+               "--resume-other-data")
+    assert "going on, as --resume-other-data says" in capsys.readouterr().out
+    start = [json.loads(line) for line in log.read_text().splitlines() if '"event": "start"' in line][-1]
+    assert any("going on, as --resume-other-data says" in n for n in start["notes"])       # said in the log
+    assert start["data"]["--train-data"] == [[str(data), 11024, now]]
+    assert load_checkpoint(step_dir(ck, 2)).meta["data_files"]["--train-data"] == [[str(data), 11024, now]]
+
+
 # ---- the same file under another name; a --log that is not a log; another run's checkpoint -------------------
 def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
     from llmz.files import JsonLog
@@ -611,8 +636,8 @@ def test_ranks_that_read_different_data_are_refused_before_any_work_naming_the_r
                         str(tmp_path / "b"), *rank], capture_output=True, text=True, timeout=120, check=False,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "step" not in p.stdout, p.stderr
-    assert p.stderr.startswith("error: rank 1's --train-data file t.bin (11024 bytes, hash "), p.stderr
-    assert "differs from rank 0's t.bin (11024 bytes, hash " in p.stderr
+    assert p.stderr.startswith("error: rank 1's --train-data file t.bin (11024 bytes, sha256 "), p.stderr
+    assert "differs from rank 0's t.bin (11024 bytes, sha256 " in p.stderr
 
 
 # ---- odd inputs: prompt bytes, token counts, names at the filesystem's limits -----------------------------------
