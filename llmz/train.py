@@ -139,7 +139,8 @@ def output_flags(a) -> None:
     a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "
       "step and the rank(s) that did not arrive, when a collective between ranks waits longer than this (a "
       "rank stopped, hung or dead), MPI's start-up included; at least 1 s. The default, PyTorch's, is 40x the "
-      "longest legitimate wait of one rank for another (BENCHMARKS.md: the checkpoint whose model file rank 0 writes alone, the first step's "
+      "longest legitimate wait of one rank for another (BENCHMARKS.md: the checkpoint whose model file rank 0 "
+      "writes alone, the first step's "
       "compilation, CUDA graph capture: seconds); raise it only for a filesystem that takes minutes to write "
       "a checkpoint")
 

@@ -413,8 +413,8 @@ class StartupWatch:
                 what = STATES.get(state) or f"made no progress for {now - last:.0f} s"
                 late.append(f"rank {r} (its process, pid {pid}, {what}, {where})")
         if not late and unseen and not self.one_host:
-            late.append(f"{_ranks(unseen)} (not on this host: this rank cannot see {'it' if len(unseen) == 1 else 'them'} "
-                        f"before MPI is up)")
+            them = "it" if len(unseen) == 1 else "them"
+            late.append(f"{_ranks(unseen)} (not on this host: this rank cannot see {them} before MPI is up)")
         if not late and before and now - self.t0 > STARTUP_CAP * self.timeout:
             late.append(f"{_ranks(before)} (still running before MPI's start-up: busy, or hung)")
         if late:

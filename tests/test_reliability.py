@@ -519,9 +519,10 @@ def test_resume_with_a_data_file_rewritten_under_its_name_is_refused_naming_both
     written = log.read_text()
     with pytest.raises(LlmzError) as e:
         train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log)
-    assert one_line(e) == (f"--train-data {data} is not the file checkpoint {step_dir(ck, 1)} was trained on: sha256 "
-                           f"{now[:16]} now (11,024 bytes), {then[:16]} then (11,024 bytes); the run would go on at its "
-                           f"position in other data: restore the file, or add --resume-other-data to go on anyway")
+    assert one_line(e) == (f"--train-data {data} is not the file checkpoint {step_dir(ck, 1)} was trained on: "
+                           f"sha256 {now[:16]} now (11,024 bytes), {then[:16]} then (11,024 bytes); the run would go "
+                           f"on at its position in other data: restore the file, or add --resume-other-data to go on "
+                           f"anyway")
     assert e.value.exit_code == 2 and log.read_text() == written         # refused before any work
     capsys.readouterr()
     train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log,
