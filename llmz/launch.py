@@ -127,7 +127,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
             cannot_start(LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up "
                                    f"writes shared-memory files of several MiB and dies under it; raise it (ulimit "
                                    f"-f unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)"),
-                         alike=lambda pid: _mpi_too_small(file_size_limit(pid)))
+                         alike=lambda: _mpi_too_small(file_size_limit(_launcher_pid())))
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))  # no MPI needed
     try:
         import mpi4py
@@ -137,7 +137,8 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     except Exception as e:  # noqa: BLE001  (mpi4py absent, or its MPI library fails to load)
         if n > 1:
             cannot_start(LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({_first_line(e)}); "
-                                   "install llmz[mpi]"), alike=_same_python)
+                                   "install llmz[mpi]"),
+                         alike=lambda: all(map(_same_python, local_ranks().values())))
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))
     local = {}
     if not MPI.Is_initialized():
@@ -242,16 +243,23 @@ def rank_pids(launcher_pid: int, parent: dict[int, int] | None = None) -> dict[i
     return {rank: pid for pid, rank in found.items() if found.get(parent.get(pid)) != rank}
 
 
-def local_ranks() -> dict[int, int]:
-    """{rank: pid} of this job's ranks on this host, this one included, before MPI is up: the ranks under the
-    launcher's process here (the nearest ancestor that is not a rank itself: Hydra's hydra_pmi_proxy, Open
-    MPI's prted, orted or mpirun), of this job's size. Only this rank where /proc cannot say."""
-    me, rank, size = os.getpid(), _launcher_rank(), _launcher_world_size()
-    parent = _parents()
-    launcher = parent.get(me)
+def _launcher_pid(parent: dict[int, int] | None = None) -> int | None:
+    """The launcher's process on this host (the nearest ancestor that is not a rank itself: Hydra's
+    hydra_pmi_proxy, Open MPI's prted, orted or mpirun), or None where /proc cannot say."""
+    parent = _parents() if parent is None else parent
+    launcher = parent.get(os.getpid())
     while launcher is not None and launcher > 1 and _rank_in(_environ(launcher)) is not None:
         launcher = parent.get(launcher)             # a wrapper (bash -c ...) that is a rank too
-    if launcher is None or launcher <= 1:
+    return launcher if launcher is not None and launcher > 1 else None
+
+
+def local_ranks() -> dict[int, int]:
+    """{rank: pid} of this job's ranks on this host, this one included, before MPI is up: the ranks under the
+    launcher's process here (_launcher_pid), of this job's size. Only this rank where /proc cannot say."""
+    me, rank, size = os.getpid(), _launcher_rank(), _launcher_world_size()
+    parent = _parents()
+    launcher = _launcher_pid(parent)
+    if launcher is None:
         return {rank: me}
     ranks = {r: pid for r, pid in rank_pids(launcher, parent).items() if _size_in(pid) == size}
     ranks[rank] = me
@@ -278,14 +286,13 @@ def _same_python(pid: int) -> bool:
 def cannot_start(e: LlmzError, alike) -> NoReturn:
     """This rank cannot start MPI (e says why), and the others wait for it inside MPI_Init, where nothing can
     tell them: it says why in its own line, `rank R: error: ...`, and ends the job itself (pmi_abort; under
-    Open MPI its non-zero exit does). Where every rank of the job runs on this host and fails alike
-    (alike(pid) is true of every one: a limit or a Python that all inherited from the launcher), no rank
-    waits: the lowest says it once, without its rank, and every rank exits. Exit status 2 (a refusal at
-    start); never returns."""
+    Open MPI its non-zero exit does). Where every rank of the job runs on this host and fails alike (alike():
+    the cause is the launcher's, which every rank inherits: its file-size limit, its Python), no rank waits:
+    rank 0 says it once, without its rank, and every rank exits. Exit status 2 (a refusal at start); never
+    returns."""
     rank, size = _launcher_rank(), _launcher_world_size()
-    local = local_ranks()
-    if _launcher_local_size() == size and len(local) == size and all(alike(pid) for pid in local.values()):
-        if rank == min(local):
+    if _launcher_local_size() == size and alike():
+        if rank == 0:
             say_line(f"error: {e}")
         else:                               # Open MPI ends the job at the first non-zero exit: let it be said
             time.sleep(ABORT_GRACE_S)

@@ -401,25 +401,28 @@ class StartupWatch:
 
     def _deadline(self, now: float, peers: dict, unseen: list[int]) -> None:
         """Past the deadline: end the job if some rank is to blame, or none of this host's can be."""
-        late, before = [], []
+        late, busy, pending = [], [], False
         for r, (pid, _, _, last) in sorted(peers.items()):
             state = process_state(pid)[0]
             mpi = _loaded_mpi(pid)
-            where = "inside MPI's start-up" if mpi else "before MPI's start-up"
-            if state in WAITING and not mpi:
-                before.append(r)
-            stuck = now - last > self.timeout and now - self.t0 > self.timeout
-            if stuck and (state not in WAITING or not mpi):
+            if state in WAITING and mpi:
+                continue                                # inside MPI_Init, as this rank is
+            if now - last > self.timeout:               # stopped, or hung, this long
                 what = STATES.get(state) or f"made no progress for {now - last:.0f} s"
+                where = "inside MPI's start-up" if mpi else "before MPI's start-up"
                 late.append(f"rank {r} (its process, pid {pid}, {what}, {where})")
-        if not late and unseen and not self.one_host:
+            elif state in WAITING:
+                busy.append(r)                          # still starting (imports, on a busy host)
+            else:
+                pending = True                          # stopped lately: its deadline comes
+        if not late and not pending and unseen and not self.one_host:
             them = "it" if len(unseen) == 1 else "them"
             late.append(f"{_ranks(unseen)} (not on this host: this rank cannot see {them} before MPI is up)")
-        if not late and before and now - self.t0 > STARTUP_CAP * self.timeout:
-            late.append(f"{_ranks(before)} (still running before MPI's start-up: busy, or hung)")
+        if not late and not pending and busy and now - self.t0 > STARTUP_CAP * self.timeout:
+            late.append(f"{_ranks(busy)} (still running before MPI's start-up: busy, or hung)")
         if late:
             why = f"{', '.join(late)} did not arrive"
-        elif self.one_host and not unseen and not before:
+        elif self.one_host and not unseen and not busy and not pending:
             why = "every rank waits inside it (MPI's own start-up hangs: its network, or the launcher?)"
         else:
             return
