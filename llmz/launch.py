@@ -127,7 +127,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
             cannot_start(LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up "
                                    f"writes shared-memory files of several MiB and dies under it; raise it (ulimit "
                                    f"-f unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)"),
-                         alike=lambda: _mpi_too_small(file_size_limit(_launcher_pid())))
+                         alike=lambda pid: _mpi_too_small(file_size_limit(pid)))
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))  # no MPI needed
     try:
         import mpi4py
@@ -138,7 +138,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
         if n > 1:
             cannot_start(LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({_first_line(e)}); "
                                    "install llmz[mpi]"),
-                         alike=lambda: all(map(_same_python, local_ranks().values())))
+                         alike=_same_python)
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))
     local = {}
     if not MPI.Is_initialized():
@@ -286,12 +286,12 @@ def _same_python(pid: int) -> bool:
 def cannot_start(e: LlmzError, alike) -> NoReturn:
     """This rank cannot start MPI (e says why), and the others wait for it inside MPI_Init, where nothing can
     tell them: it says why in its own line, `rank R: error: ...`, and ends the job itself (pmi_abort; under
-    Open MPI its non-zero exit does). Where every rank of the job runs on this host and fails alike (alike():
-    the cause is the launcher's, which every rank inherits: its file-size limit, its Python), no rank waits:
-    rank 0 says it once, without its rank, and every rank exits. Exit status 2 (a refusal at start); never
-    returns."""
+    Open MPI its non-zero exit does). Where every rank of the job runs on this host and fails alike (alike(pid)
+    holds for every other rank still running: its file-size limit, its Python; one no longer running failed
+    before this one looked, at the same first check), no rank waits: rank 0 says it once, without its rank,
+    and every rank exits. Exit status 2 (a refusal at start); never returns."""
     rank, size = _launcher_rank(), _launcher_world_size()
-    if _launcher_local_size() == size and alike():
+    if _launcher_local_size() == size and all(alike(pid) for pid in local_ranks().values()):
         if rank == 0:
             say_line(f"error: {e}")
         else:                               # Open MPI ends the job at the first non-zero exit: let it be said
