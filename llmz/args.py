@@ -14,7 +14,6 @@ and the tokenizer. Everything is read through llmz.files: never a FIFO, never mo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
