@@ -107,6 +107,9 @@ class Lock:
             owner = self._owner()
             if owner is None:        # released meanwhile
                 continue
+            if not owner.get("host"):   # not a lock record: damaged, or written this instant by another run
+                raise LlmzError(f"{self.what} is locked, but its lock file {self.path} names no owner (damaged, or "
+                                f"another run writing it this instant): if no run uses it, delete {self.path}")
             if owner.get("host") != socket.gethostname():
                 raise LlmzError(f"{self.what} is locked by {_describe(owner)} ({self.path}); another host "
                                 f"cannot tell from here whether that run still lives: if it does not, "
