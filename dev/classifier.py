@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
 from dev.vectors import LOG2E, UNIT, bf16_pair, exp2_approx, load16, pack_bf16x2, store16, units_fit
-from llmz.device import ceil_div
 from llmz.fast import classifier as fast
 from llmz.fast.device_helpers import WARP, bounded_jit, softmax_combine, warp_max_sum
 from llmz.kernels import classifier as teaching
 from llmz.kernels.bf16 import load
+from llmz.kernels.grid import ceil_div
 
 # ---- version 3: the row in registers (bf16 logits, Vp % 8 == 0, on 16 bytes: GPT-2's bf16 runs) ------------
 # units_kernel(Vp, threads), built per padded vocabulary, one block of UNITS_THREADS = 1024 per row, each

@@ -19,11 +19,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
 from dev.vectors import UNIT, load8, units_fit
-from llmz.device import ceil_div
 from llmz.fast import column_sum as fast
 from llmz.fast.column_sum import last_in_strip
 from llmz.fast.device_helpers import loads_barrier
 from llmz.kernels.bf16 import store_add
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.matmul import matmul_backward_bias_kernel
 
 # ---- version 3: strips of 256 columns in units of 8 --------------------------------------------------------

@@ -21,12 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev import harness
 from dev.vectors import UNIT, add_store_slots, load8, load8_into, store8, two_slots, unit_blocks, units_fit
-from llmz.device import ceil_div
 from llmz.fast import encoder as fast
 from llmz.fast.device_helpers import WARP, loads_barrier
 from llmz.fast.encoder import wte_buckets, wte_table_size
 from llmz.kernels import encoder as teaching
 from llmz.kernels.encoder import encoder_backward_ref, encoder_forward_ref
+from llmz.kernels.grid import ceil_div
 
 # ---- version 3: units (float32 or bf16, C % 8 == 0, every array on 16 bytes) --------------------------------
 #   forward        two units a thread, the token ids loaded first, then wte's and wpe's units

@@ -78,9 +78,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dev import flash_attention_v1 as v1
 from dev import flash_attention_wgmma as wg
 from llmz.config import preset
-from llmz.device import ceil_div
 from llmz.fast import flash_attention as fa
 from llmz.fast.device_helpers import pair_view
+from llmz.kernels.grid import ceil_div
 from tools.flash_check import TOL, errors, rel, time_ms, time_sdpa
 
 PEAK_TFLOPS = 989.0         # the H200's dense bf16 tensor-core peak (llmz's MFU uses the same)
@@ -302,7 +302,7 @@ def time_version(dev, ver, arrays):
     per-kernel way): "name ms rate" for each, TFLOP/s of the kernel's own products or GB/s."""
     import cupy
 
-    from llmz.bench import hold_kernel
+    from llmz.bench.layers import hold_kernel
     _, _, forward, backward, hs = VERSIONS[ver]
     inp, dout, out, lse, dinp, dsum = arrays
     NH = inp.shape[2] // 3 // hs

@@ -13,7 +13,6 @@ only the staging and the one-word-a-lane products (mma_words) are version 1's ow
 import numba
 from numba import cuda
 
-from llmz.device import ceil_div
 from llmz.fast.device_helpers import pair_view
 from llmz.fast.flash_attention import (
     HI16,
@@ -45,6 +44,7 @@ from llmz.fast.flash_attention import (
     write_o_lse,
 )
 from llmz.fast.mma import load_at, store_at
+from llmz.kernels.grid import ceil_div
 
 TILE = 64                   # rows of a block's tile and of the other operand's tiles
 WARPS = 4                   # warp w owns rows 16w..16w+15 of the block's tile

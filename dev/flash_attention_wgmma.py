@@ -34,7 +34,6 @@ from numba.cuda.extending import intrinsic
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmz.device import ceil_div
 from llmz.fast import flash_attention as fa
 from llmz.fast.device_helpers import pair_view
 from llmz.fast.flash_attention import (
@@ -49,6 +48,7 @@ from llmz.fast.flash_attention import (
     write_o_lse,
 )
 from llmz.fast.mma import cp_async16, cp_async_commit, cp_async_wait, shared_address
+from llmz.kernels.grid import ceil_div
 
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 BC = 64                     # keys a tile

@@ -26,12 +26,12 @@ from dev import harness
 from dev.column_sum import column_sum_into
 from dev.residual import residual_forward_units
 from dev.vectors import UNIT, load8, store8, units_fit
-from llmz.device import ceil_div
 from llmz.fast import layernorm as fast
 from llmz.fast import residual as fast_residual
 from llmz.fast.device_helpers import WARP, loads_barrier, warp_row, warp_sum
 from llmz.kernels import layernorm as teaching
 from llmz.kernels import residual as teaching_residual
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.layernorm import LN_EPS, layernorm_backward_ref, layernorm_forward_ref
 
 # ---- version 3 (and 4): kernels built per C on 16-byte units ------------------------------------------------
@@ -73,8 +73,12 @@ def backward_teams(N: int, C: int) -> int:
 
 # ---- Numba kernels, one set per C ---------------------------------------------------------------------
 @functools.cache
-def forward_kernel(C: int):
-    """The forward kernel for rows of C channels (C % 8 == 0)."""
+def forward_kernel(C: int, fused: int = 0):
+    """The forward kernel for rows of C channels (C % 8 == 0); fused: with the residual add (version 4). A
+    compile-time choice: Numba on a GPU cannot pass None as a kernel argument (NotImplementedError: (none,
+    None) at the launch), so the plain kernel takes inp again in residual's and inp2's places, never
+    read there (inp: the simulator copies each argument back, and inp's copies are all unchanged)."""
+    FUSED = bool(fused)
     U = C // UNIT                   # units in a row
     UPL = ceil_div(U, WARP)         # units a lane holds
     NV = UPL * UNIT
@@ -82,7 +86,7 @@ def forward_kernel(C: int):
     @cuda.jit
     def layernorm_forward_units_kernel(out, mean, rstd, inp, weight, bias, residual, inp2):
         # out, inp (and residual, inp2): (N*C,) flat; mean, rstd: (N,); weight, bias: (C,). One warp per row.
-        # Overwrites out, mean, rstd (and residual = inp + inp2, when inp2 is given; else both are None).
+        # Overwrites out, mean, rstd (and residual = inp + inp2 when FUSED; else neither is read or written).
         row, lane = warp_row()
         if row >= mean.shape[0]:
             return
@@ -94,12 +98,12 @@ def forward_kernel(C: int):
             e = base + UNIT * min(lane + WARP * k, U - 1)
             x[8 * k], x[8 * k + 1], x[8 * k + 2], x[8 * k + 3], x[8 * k + 4], x[8 * k + 5], x[8 * k + 6], \
                 x[8 * k + 7] = load8(inp, e)
-            if inp2 is not None:
+            if FUSED:
                 y[8 * k], y[8 * k + 1], y[8 * k + 2], y[8 * k + 3], y[8 * k + 4], y[8 * k + 5], y[8 * k + 6], \
                     y[8 * k + 7] = load8(inp2, e)
         loads_barrier()
         # the fused residual: x = inp + inp2 as stored (rounded to the storage's precision)
-        if inp2 is not None:
+        if FUSED:
             for k in range(UPL):
                 u = lane + WARP * k
                 if u < U:
@@ -260,7 +264,7 @@ def layernorm_forward_units(dev, out, mean, rstd, inp, weight, bias) -> None:
     if not units_apply(C, out, inp, weight, bias):
         return teaching.layernorm_forward(dev, out, mean, rstd, inp, weight, bias)
     dev.launch(forward_kernel(C), *forward_geometry(inp.size // C), out.reshape(-1), mean.reshape(-1),
-               rstd.reshape(-1), inp.reshape(-1), weight, bias, None, None)
+               rstd.reshape(-1), inp.reshape(-1), weight, bias, inp.reshape(-1), inp.reshape(-1))
 
 
 def residual_layernorm_forward(dev, residual, out, mean, rstd, inp1, inp2, weight, bias) -> None:
@@ -271,7 +275,7 @@ def residual_layernorm_forward(dev, residual, out, mean, rstd, inp1, inp2, weigh
     if not units_apply(C, residual, out, inp1, inp2, weight, bias):
         teaching_residual.residual_forward(dev, residual, inp1, inp2)
         return teaching.layernorm_forward(dev, out, mean, rstd, residual, weight, bias)
-    dev.launch(forward_kernel(C), *forward_geometry(inp1.size // C), out.reshape(-1), mean.reshape(-1),
+    dev.launch(forward_kernel(C, 1), *forward_geometry(inp1.size // C), out.reshape(-1), mean.reshape(-1),
                rstd.reshape(-1), inp1.reshape(-1), weight, bias, residual.reshape(-1), inp2.reshape(-1))
 
 

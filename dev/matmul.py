@@ -32,13 +32,13 @@ from dev.column_sum import column_sum_units
 from dev.cublaslt import matmul_lt
 from dev.gelu import gelu_backward_units, gelu_forward_units
 from dev.vectors import UNIT, load8, store8, units_fit
-from llmz.device import ceil_div
 from llmz.fast import gelu as fast_gelu
 from llmz.fast import matmul as fast_matmul
 from llmz.fast.column_sum import column_sum
 from llmz.fast.gemm import gemm
 from llmz.fast.matmul import FILL_ROWS
 from llmz.kernels.gelu import gelu_backward_ref, gelu_forward_ref
+from llmz.kernels.grid import ceil_div
 
 
 # ---- version 2's bias fill: 16-byte stores -----------------------------------------------------------------
@@ -114,8 +114,12 @@ def nvmath(dev, d, case):
     """nvmath works column-major in cuBLASLt's terms on its operands' layouts: each product is written as its
     transpose (result (cols, rows) = the row-major array read as a transposed view), so that its bias is one
     per row of the result, as nvmath's BIAS epilog broadcasts it."""
+    import torch
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
-    stream = dev.compute_stream.cupy
+    # the operands are torch tensors, so the stream must be torch's too (nvmath refuses a CuPy stream with them:
+    # "The stream object must belong to the same package as the tensor network operands"): our compute stream
+    # wrapped as a torch ExternalStream, so the products queue in order with the rest
+    stream = torch.cuda.ExternalStream(dev.compute_stream.cupy.ptr)
     key = (case, d["inp"].shape, d["w"].shape)
     plan = PLANS.get(key)
     if plan is None:
@@ -134,13 +138,14 @@ def nvmath(dev, d, case):
         plan = PLANS[key] = mm
     result = plan.execute(stream=stream)
     out, aux = result if isinstance(result, tuple) else (result, {})
-    if case == "dW + bias grad":
-        bf16(d["dw"]).copy_(bf16(d["dw"]) + out.T)
-        bf16(d["dbias"]).copy_(aux["bgradb"].reshape(-1))
-    else:
-        bf16(d["out"]).copy_(out.T)
-        if "gelu_aux" in aux:
-            bf16(d["fch"]).copy_(aux["gelu_aux"].T)
+    with torch.cuda.stream(stream):                 # the copies into the checked arrays, on the same stream
+        if case == "dW + bias grad":
+            bf16(d["dw"]).copy_(bf16(d["dw"]) + out.T)
+            bf16(d["dbias"]).copy_(aux["bgradb"].reshape(-1))
+        else:
+            bf16(d["out"]).copy_(out.T)
+            if "gelu_aux" in aux:
+                bf16(d["fch"]).copy_(aux["gelu_aux"].T)
     return lambda: plan.execute(stream=stream)
 
 

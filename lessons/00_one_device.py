@@ -15,6 +15,9 @@ One training step:
     backward   d(loss)/d(every parameter), accumulated (+=) into the gradient buffer, bucket by bucket
     update     the gradient norm, clipping, then AdamW: p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p);
                then the gradients are zeroed for the next step
+The update is llmz/plain/step.py: read it first (one screen). It is what this lesson trains with; llmz.zero's
+stage 0, the production code, trains beside it and must end with the same bits. Each later lesson changes that
+file into the next ZeRO stage (llmz/plain/, `--diff`).
 
 Memory on one device, with Ψ parameters and b bytes per value (b = 4 in fp32; this lesson runs the CPU in
 fp64, b = 8, so that later lessons can compare ranks to the last bit):
@@ -24,7 +27,8 @@ Each later lesson divides one more of these terms by the number of ranks N. The 
 before lesson 01.
 
 Checkpoints: (1) the kernels' loss equals the float64 reference's, (2) so does every gradient tensor,
-(3) repeated steps on one batch drive its loss down, (4) the bytes held are b*Ψ + b*Ψ + 2b*Ψ.
+(3) repeated steps on one batch drive its loss down, (4) the bytes held are b*Ψ + b*Ψ + 2b*Ψ, (5) the plain
+step's parameters equal llmz.zero's stage 0's after those steps, bit for bit.
 
 There is nothing to communicate yet (so no --comm): under mpiexec every rank runs this same lesson on its
 own device and rank 0 prints.
@@ -34,10 +38,9 @@ import sys
 import numpy as np
 
 from lessons import common
-from llmz.config import GPT2Config, preset
+from llmz.config import GPT2Config, fmt_bytes, preset
 from llmz.device import Device, gpu_available, resolve
 from llmz.layout import Layout, init_parameters
-from llmz.memory import fmt_bytes
 from llmz.model import GPT2, FullGrads, FullParams
 
 # the kernels run in float32 against a float64 reference: rounding of sums of up to a few hundred terms
@@ -59,8 +62,18 @@ def forward_backward(dev, config, params_host, x, y):
     return loss, dev.to_host(grads)
 
 
+def one_step(run, step: int) -> tuple[float, float]:
+    """Forward, backward and the update on the batch in run.x, run.y; the loss (before the update) and the
+    gradient norm. run.zero: the plain step, or llmz.zero's stage 0."""
+    model, z = run.model, run.zero
+    model.forward(z.param_store, run.x, run.y)                 # activations and per-position losses
+    loss = model.mean_loss()
+    model.backward(z.param_store, z, run.x, run.y, 1.0 / run.x.size)   # accumulates (+=) into z's gradients
+    return loss, z.update(step)                # norm, clip, AdamW; zero the gradients
+
+
 def lesson(a, ranks) -> int:
-    ck = common.Checkpoints(ranks, 4)
+    ck = common.Checks(ranks, 5)
     # ---- 1. the layers as kernels, against their NumPy references -----------------------------------------
     # The kernels run on the GPU where there is one, else in the simulator (every CUDA thread a Python
     # thread: slow, so there the model is one block of 8 channels on 4 tokens); --kernels picks the set.
@@ -95,24 +108,23 @@ def lesson(a, ranks) -> int:
              f"worst relative error {errors[worst]:.1e} ({worst}), expected <= {GRAD_TOL:.0e}")
 
     # ---- 2. one training step, repeated on one batch ------------------------------------------------------
-    # llmz.trainer.Trainer holds the pieces (device, data, model, AdamW); with a world of one rank its ZeRO
-    # stage 0 is simply "the gradient buffer and the optimizer", and its all-reduce over one rank is the
-    # identity.
-    run = common.make_run(a, common.one_rank(ranks), stage=0, comm="auto")
-    dev, model, z = run.dev, run.model, run.zero
-    B, T = a.batch_size, a.seq_len
+    # llmz.trainer.Trainer holds the pieces (device, data, model, AdamW); the step is the plain one
+    # (llmz/plain/step.py), and beside it, on the same batch, llmz.zero's stage 0 on a world of one rank
+    run = common.make_run(a, common.one_rank(ranks), stage=0, plain=a.plain, comm="auto")
+    prod = common.make_run(a, common.one_rank(ranks), stage=0, comm="auto")
+    dev, B, T = run.dev, a.batch_size, a.seq_len
     x, y = run.train_loader.next_batch()                 # one batch, kept: its loss must fall
-    dev.copy_from_host(run.x, x)
-    dev.copy_from_host(run.y, y)
-    c = run.config
+    for r in (run, prod):
+        dev.copy_from_host(r.x, x)
+        dev.copy_from_host(r.y, y)
+    c = run.model.config
     common.say(ranks, f"training on {run.dev.kind} ({a.precision}): L={c.num_layers} C={c.channels} "
                f"V={c.vocab_size} B={B} T={T}, {run.layout.num_parameters:,} parameters, one batch {a.steps} times")
     losses = []
     for step in range(a.steps):
-        model.forward(z.pviews, run.x, run.y)                      # activations and per-position losses
-        losses.append(model.mean_loss())
-        model.backward(z.pviews, z, run.x, run.y, 1.0 / (B * T))   # accumulates (+=) into z's gradients
-        norm = z.update(step)              # reduce (one rank: nothing), norm, clip, AdamW; zero the gradients
+        loss, norm = one_step(run, step)
+        one_step(prod, step)
+        losses.append(loss)
         if common.shown(a, step):
             common.say(ranks, f"step {step}: loss {losses[-1]:.4f} | grad norm {norm:.3f}")
     ck.check(losses[-1] < losses[0], f"loss on one batch falls over {a.steps} steps: {losses[0]:.4f} -> "
@@ -125,6 +137,7 @@ def lesson(a, ranks) -> int:
              f"parameters {fmt_bytes(m['parameters'])} + gradients {fmt_bytes(m['gradients'])} + optimizer state "
              f"{fmt_bytes(m['optimizer_state'])} = {b}Ψ + {b}Ψ + {2 * b}Ψ with Ψ = {psi:,} (expected exactly; "
              f"in fp32: 4Ψ + 4Ψ + 8Ψ)")
+    common.check_same_as_production(ck, a, ranks, run, prod, "stage 0 on one rank")
     return ck.exit_code()
 
 

@@ -5,8 +5,9 @@ reads its own slice of the data (llm.c's order: micro-batch i of rank r starts a
 so a step sees N*B*T tokens. After backward each rank holds the gradient of ITS batch only. One all-reduce
 (average) per bucket gives every rank the gradient of the whole N*B batch; every rank then runs the same
 AdamW on the same numbers, so the parameters stay identical without ever being sent. The whole change is
-in llmz.zero.grads.FullGradients.reduce: a loop of comm.all_reduce over the buckets. Here the run trains beside
-that one process, step by step (lessons.common.side_by_side); `--diff` shows this file's changes from 00.
+two lines: llmz/plain/stage0.py is lesson 00's step with a loop of comm.all_reduce over the buckets (`--diff`
+shows them; in llmz.zero it is FullGradients.reduce). The run trains with it beside one process with the union
+batch, step by step (lessons.common.side_by_side), and beside llmz.zero's stage 0.
 
 Nothing is divided by N: every rank holds everything.
     parameters bΨ + gradients bΨ + m and v 2bΨ on EVERY rank    (fp32: 4Ψ + 4Ψ + 8Ψ bytes)
@@ -17,31 +18,39 @@ own; afterwards each rank holds one chunk summed over all ranks. All-gather: N-1
 chunks on around the ring. Each rank sends 2(N-1)/N * S bytes, so with S = bΨ about 2bΨ per step, almost
 independent of N. (llmz.comm.Communicator.bytes_sent counts by this model, whatever the backend really does.)
 
-Checkpoints: (1) the losses equal one process whose batch is the union of the ranks' batches (rank 0 runs
-it in-process, on a one-rank communicator), (2) the parameters are bit-identical on every rank, (3) memory
-per rank by category is bΨ + bΨ + 2bΨ, (4) bytes sent per rank per step are 2(N-1)/N * bΨ.
+Checkpoints: (1) the losses and gradient norms equal one process whose batch is the union of the ranks'
+batches (rank 0 runs it in-process, on a one-rank communicator), (2) the parameters are bit-identical on every
+rank, (3) memory per rank by category is bΨ + bΨ + 2bΨ, (4) bytes sent per rank per step are 2(N-1)/N * bΨ,
+(5) the plain stage 0's parameters equal llmz.zero's, bit for bit.
+
+Write it yourself: lessons/exercises/01_stage0.py is llmz/plain/stage0.py with its key line removed; fill it in
+and grade it with this lesson's checkpoints:
+    mpiexec -n 2 python -m lessons.01_stage0_data_parallel --mine lessons/exercises/01_stage0.py
 """
 import sys
 
 from lessons import common
-from llmz.memory import fmt_bytes, table
+from llmz.config import fmt_bytes
+from llmz.memory import table
 
 
 def lesson(a, ranks) -> int:
     N = ranks.world_size
-    ck = common.Checkpoints(ranks, 4)
+    ck = common.Checks(ranks, 5)
     # the reference: one process, a world of one, a batch of N*B: exactly the tokens the N ranks read together
     ref = (common.make_run(a, common.one_rank(ranks), stage=0, batch_size=N * a.batch_size, comm="auto")
            if ranks.rank == 0 else None)
-    run = common.make_run(a, ranks, stage=0)                # this lesson: N ranks, batch B each, all-reduce
+    run = common.make_run(a, ranks, stage=0, plain=a.plain)    # this lesson: N ranks, batch B each, all-reduce
+    prod = common.make_run(a, ranks, stage=0)                  # llmz.zero's stage 0, for the same bits
     common.apply_break(run.zero)
     psi, b = run.layout.num_parameters, run.dev.dtype.itemsize
     common.say_setup(a, ranks, run)
-    t = common.side_by_side(a, ranks, run, ref, (common.n_ranks(N), f"one process, batch {N}x{a.batch_size}"))
+    t = common.side_by_side(a, ranks, run, ref, (common.n_ranks(N), f"one process, batch {N}x{a.batch_size}"),
+                            prod=prod)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    common.check_same_losses(ck, a, t, f"losses on {common.n_ranks(N)} = one process with the union batch "
-                             f"over {a.steps} steps", across_ranks=True)     # only rank 0 runs the reference
+    common.check_same_losses(ck, a, t, f"losses and gradient norms on {common.n_ranks(N)} = one process with "
+                             f"the union batch's over {a.steps} steps", across_ranks=True)   # rank 0's reference
     common.check_params_identical(ck, ranks, run)
     common.say(ranks, table(run.memory))
     m = run.memory["measured"]
@@ -56,6 +65,7 @@ def lesson(a, ranks) -> int:
     worst, ok = common.sent_as_predicted(ranks, t.sent, expect)
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = 2(N-1)/N * {b}Ψ = {expect:,} B (ring all-reduce; "
              f"expected within 0.5%: padding and the 8-byte loss average)", across_ranks=True)
+    common.check_same_as_production(ck, a, ranks, run, prod, "stage 0")
     return ck.exit_code()
 
 

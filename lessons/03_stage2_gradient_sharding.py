@@ -1,77 +1,82 @@
 """Lesson 03 - ZeRO stage 2, gradient sharding: reduce-scatter each block during backward.
 
 What changes from lesson 02: stage 1 still keeps the full gradient (bΨ) on every rank until the end of
-backward, although after the reduce-scatter each rank needs only its slice. Stage 2 never keeps it
-(llmz.zero.grads.ShardedGradients). Backward finishes the buckets one at a time (the final layernorm, block
-L-1, ..., block 0, the embeddings last: wte is tied to the classifier, llmz.model), and the moment a bucket
-is complete (`done(b)`) it is reduce-scattered and my averaged slice is added (+=) into my gradient shard. So:
-  * two slots: block l writes its gradients into slot l % 2. While block l-1's backward fills the other
-    slot, block l's slot is being reduce-scattered; block l-2 reuses it once that is done. The embedding
-    and final-layernorm gradients keep buffers of their own (wte's gradient grows from the first op of
-    backward to the last).
-  * the comm stream and its events (on a GPU): at done(b) an event recorded on the compute stream makes the
-    comm stream wait for the block's last kernel; the comm stream runs the reduce-scatter and one kernel
-    that adds my part into the shard AND zeroes the slot (no separate memset), then records an event; the
-    compute stream waits on that event only before it writes into the same slot again (block l-2). No host
-    synchronisation anywhere in backward: compute and communication overlap.
-  * on CPU ranks (no streams) the same shape with MPI's non-blocking collectives: done(b) starts the
-    reduce-scatter and backward goes on; MPICH moves it on inside the MPI calls backward makes between layers
-    (llmz.comm's progress()), and the host waits for it, and adds my part, only when block l-2 needs the slot.
-  * --no-overlap: the compute stream (on CPU ranks: the host) waits for each reduce-scatter right away,
-    serialising them. Same numbers, bit for bit (only the timing changes).
-  * accumulation across K micro-steps: every micro-step reduce-scatters every bucket into the shard
-    (K reduce-scatters per step instead of stage 1's one), so communication grows to (K+1)(N-1)/N * bΨ.
+backward, although after the reduce-scatter each rank needs only its slice. Stage 2 never keeps it. Backward
+finishes the buckets one at a time (the final layernorm, block L-1, ..., block 0, the embeddings last: wte is
+tied to the classifier, llmz.model), and the moment a bucket is complete, done(b), it is reduce-scattered and
+my averaged slice is added (+=) into my gradient shard. In llmz/plain/stage2.py (`--diff` shows the change
+from stage 1: the reduce-scatter moves from the update into done(b), the full gradient buffer becomes a shard
+and two slots):
+  * two slots: block l writes its gradients into slot l % 2; the embedding and final-layernorm gradients keep
+    buffers of their own (wte's gradient grows from the first op of backward to the last).
+  * done(b): reduce-scatter the bucket's buffer, then one op adds my part into my shard AND zeroes the buffer
+    for the next block that uses it (llmz.kernels.accumulate: no separate memset).
+  * accumulation across K micro-steps: every micro-step reduce-scatters every bucket into the shard (K
+    reduce-scatters per step instead of stage 1's one), so communication grows to (K+1)(N-1)/N * bΨ.
+The plain stage waits for each reduce-scatter before backward goes on, so one slot would do. llmz.zero's stage 2
+(llmz.zero.grads.ShardedGradients, trained here beside it) does not wait: on a GPU, at done(b) an event makes
+the comm stream wait for the block's last kernel and the comm stream reduce-scatters block l's slot while the
+compute stream runs block l-1's backward into the other; the compute stream waits on the slot's event only
+before block l-2 writes into it again. On CPU ranks (no streams) MPI's non-blocking reduce-scatter is started
+at done(b) and moved on inside the MPI calls backward makes between layers; the host waits for it when block
+l-2 needs the slot. Overlap changes when things run, never the numbers: checkpoint 6 holds the plain stage and
+llmz.zero's to the same bits.
 
 Memory per rank, Ψ parameters, b bytes per value, N ranks:
     parameters bΨ + gradients bΨ/N + two block slots + embedding and lnf gradients + m and v 2bΨ/N
 It pays when the model has many blocks: with L blocks of P parameters the gradients shrink from L*P to about
 L*P/N + 2P (this lesson's `thin` model: 8 blocks).
 
-Checkpoints: (1) the losses equal stage 1's (both run here, with --grad-accum K), (2) parameters bit-identical
-on every rank, (3) gradient bytes per rank = shard + two slots + embedding + lnf gradients, (4) K*(L+2)
-reduce-scatters during backward per step, (5) bytes sent per step (K+1)(N-1)/N * bΨ, (6) --no-overlap gives
-the same bits, (7) the timeline PNG of one step, with one compute and one comm span per bucket per micro-step,
+Checkpoints: (1) the losses and gradient norms equal stage 1's (both run here, with --grad-accum K),
+(2) parameters bit-identical on every rank, (3) gradient bytes per rank = shard + two slots + embedding + lnf
+gradients, (4) K*(L+2) reduce-scatters during the micro-steps of a step, (5) bytes sent per step
+(K+1)(N-1)/N * bΨ, (6) the plain stage 2's parameters equal llmz.zero's overlapping stage 2's, bit for bit,
+(7) the timeline PNG of one step of llmz.zero's, with one compute and one comm span per bucket per micro-step,
 (8) the overlap it shows: part of the time the reduce-scatters were in flight, a layer computed.
 Figures in --out, named by model, ranks N and K: stage2_timeline_thin_2ranks_k2.png (rank 0's step; the .json
 beside it opens in ui.perfetto.dev) and memory_per_rank_thin_2ranks.png (stages 0, 1, 2 by category).
+
+Write it yourself: lessons/exercises/03_stage2.py is llmz/plain/stage2.py with its key lines removed:
+    mpiexec -n 2 python -m lessons.03_stage2_gradient_sharding --mine lessons/exercises/03_stage2.py
 """
 import os
 import sys
 
 from lessons import common
 from llmz.args import LESSON_FLAGS
+from llmz.plain.stage0 import Stage0
+from llmz.plain.stage1 import Stage1
 
 
 def lesson(a, ranks) -> int:
     N, K = ranks.world_size, a.grad_accum
-    ck = common.Checkpoints(ranks, 8)
+    ck = common.Checks(ranks, 8)
     trace = common.figure_name(a, ranks, "stage2_timeline", ext="json", with_k=True)
-    ref = common.make_run(a, ranks, stage=1)                           # lesson 02: the reference
-    run = common.make_run(a, ranks, stage=2, trace=trace)              # this lesson
-    serial = common.make_run(a, ranks, stage=2, overlap=False)         # the same, serialised
-    for r in (run, serial):
-        common.apply_break(r.zero)
-    psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.config.num_layers
+    ref = common.make_run(a, ranks, stage=1, plain=Stage1)            # lesson 02: the reference
+    run = common.make_run(a, ranks, stage=2, plain=a.plain)           # this lesson
+    prod = common.make_run(a, ranks, stage=2, trace=trace)            # llmz.zero's, overlapping; traced
+    common.apply_break(run.zero)
+    psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.model.config.num_layers
     common.say_setup(a, ranks, run)
-    reduce_scatters = ("reduce-scatters in backward", lambda r: r.zero.reduce_scatters_in_backward)
-    t = common.side_by_side(a, ranks, run, ref, ("stage 2", "stage 1"), serial=serial, trace=trace,
+    reduce_scatters = ("reduce-scatters in backward", common.count_in_micro_steps(run, "reduce_scatter"))
+    t = common.side_by_side(a, ranks, run, ref, ("stage 2", "stage 1"), prod=prod, trace=trace,
                             measure=reduce_scatters)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    common.check_same_losses(ck, a, t, f"losses of stage 2 = stage 1's over {a.steps} steps of K={K}")
+    common.check_same_losses(ck, a, t, f"losses and gradient norms of stage 2 = stage 1's over {a.steps} "
+                             f"steps of K={K}")
     common.check_params_identical(ck, ranks, run)
     common.check_sharded(ck, run, ref, "gradients", "stage 1")     # shard + two slots + embeddings + lnf
     ck.check(t.measured == [K * (L + 2)] * a.steps,
-             f"reduce-scatters during backward per step {t.measured} = K*(L+2) = {K}*({L}+2) = {K * (L + 2)} "
-             f"(every bucket, every micro-step)")
+             f"reduce-scatters during the micro-steps (forward and backward) per step {t.measured} = K*(L+2) = "
+             f"{K}*({L}+2) = {K * (L + 2)} (every bucket, every micro-step, as backward finishes it)")
     expect = (K + 1) * (N - 1) * b * psi // N
     worst, ok = common.sent_as_predicted(ranks, t.sent, expect)
     ck.check(ok, f"bytes sent per rank per step {worst:,} B = (K+1)(N-1)/N * {b}Ψ = {expect:,} B ({K} reduce-scatters "
              f"+ 1 all-gather; stage 1 sends 2(N-1)/N * {b}Ψ; expected within 0.5%: padding and two scalars)",
              across_ranks=True)
-    same = common.same_bits(ranks, serial, run)
-    ck.check(all(same), f"--no-overlap: parameters bit-identical to the overlapped run's on {sum(same)} of "
-             f"{common.n_ranks(N)}, expected all (overlap changes the timing, never the numbers)")
+    common.check_same_as_production(ck, a, ranks, run, prod, "stage 2 (overlapping: it changes the timing, "
+                                    "never the numbers)")
     ok, text = True, ""
     if ranks.rank == 0:
         png = os.path.splitext(trace)[0] + ".png"
@@ -80,10 +85,10 @@ def lesson(a, ranks) -> int:
         text = (f"timeline {png} written: {spans['compute']} compute + {spans['comm']} comm spans in step "
                 f"{min(1, a.steps - 1)}, expected K*(L+2) = {K * (L + 2)} each")
     ck.check(ok, text)
-    common.check_overlap(ck, ranks, run, t.events, "3/4", "a reduce-scatter starts as its block's backward ends",
+    common.check_overlap(ck, ranks, prod, t.events, "3/4", "a reduce-scatter starts as its block's backward ends",
                          gpu="block l's reduce-scatter beside block l-1's backward",
                          exposed="the embeddings' reduce-scatter, the last, with no layer after it")
-    run0 = common.make_run(a, ranks, stage=0)              # built for its memory report only
+    run0 = common.make_run(a, ranks, stage=0, plain=Stage0)    # built for its memory report only
     common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": ref, "stage 2": run},
                         common.figure_name(a, ranks, "memory_per_rank"),
                         f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")

@@ -1,41 +1,48 @@
 """What every lesson shares: its flags, its runs (built through the library: an llmz.config.TrainConfig and an
 llmz.trainer.Trainer), the loop that trains this lesson's run beside the previous lesson's, the checkpoints,
-the figures, and --diff.
+the figures, --diff and --mine.
+
+A lesson trains with its plain version (llmz/plain/, PLAIN below: each ZeRO stage in one screen, blocking
+collectives), and beside it llmz.zero's production stage, whose parameters must come out the same, bit for bit;
+with --mine FILE it trains with the learner's version instead (an exercise of lessons/exercises/ filled in),
+and the same checkpoints grade it. A gap left open (NotImplementedError) stops the lesson at once, with one
+line that names it.
 
 A checkpoint compares a measured number with what the lesson's idea predicts, and rank 0 prints both:
     CHECKPOINT 2/4: parameters bit-identical on all 2 ranks: 1 distinct hash (3f2a9c01d4e7) ... PASS
 Its verdict is collective (failed on any rank = failed on all), so every rank exits with the same code and
 none is left waiting for another. The training itself is llmz's: these helpers only build and compare.
 
-`--diff` prints what a lesson changed from the lesson it builds on (a unified diff of the two files), as
-picotron's tutorial ships each step's diff.
+`--diff` prints what a lesson changed from the lesson it builds on, as picotron's tutorial ships each step's
+diff: first the mechanism (the unified diff of the two plain versions), then the lesson files.
 
 LLMZ_LESSON_BREAK=skip_all_gather (lessons 02, 03, 05) or skip_all_reduce (lesson 01) removes that collective
-on purpose, to watch the matching checkpoints fail (tests/test_lessons.py does). At stages 1 and 2 the
-all-gather after the step is skipped; at stage 3 every all-gather of parameters leaves each rank with only
-its own slice (the other ranks' part of the slot keeps whatever it held).
+from the plain stage the lesson trains, on purpose, to watch the matching checkpoints fail (tests/test_lessons.py
+does). At stages 1 and 2 the all-gather after the step is skipped; at stage 3 every all-gather of parameters
+leaves each rank with only its own slice (the other ranks' part of the slot keeps whatever it held).
 """
 from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib
 import os
 import socket
 import sys
 import textwrap
+import traceback
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from llmz.args import check_kernels, check_train, parse_lesson
-from llmz.comm import Request
-from llmz.config import TrainConfig, default_print_every
+from llmz.config import TrainConfig, default_print_every, fmt_bytes
 from llmz.device import resolve
 from llmz.errors import UsageError
-from llmz.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
-from llmz.memory import fmt_bytes
-from llmz.runlog import zero_on_one_rank
+from llmz.run.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
+from llmz.run.log import zero_on_one_rank
 from llmz.trace import overlap, save_png
 
 # Relative tolerance on a loss compared with another way of computing the same step. fp64 (cpu, sim): only
@@ -47,6 +54,23 @@ LOSS_RTOL = {"fp64": 1e-10, "fp32": 1e-4}
 DEFAULTS = {"cpu": ("thin", 2, 32), "gpu": ("thin", 4, 32), "sim": ("tiny", 1, 4)}
 BREAKS = ("skip_all_gather", "skip_all_reduce")
 LESSONS = Path(__file__).parent
+# Each lesson's plain version (llmz/plain/<file>.py), what in it the lesson trains with, and its stage's name
+PLAIN = {"00_one_device": ("step", "OneDevice", "step"),
+         "01_stage0_data_parallel": ("stage0", "Stage0", "stage 0"),
+         "02_stage1_optimizer_sharding": ("stage1", "Stage1", "stage 1"),
+         "03_stage2_gradient_sharding": ("stage2", "Stage2", "stage 2"),
+         "04_stochastic_rounding": ("rounding", "accumulate_shard_bf16", "stochastic rounding"),
+         "05_stage3_parameter_sharding": ("stage3", "Stage3", "stage 3")}
+
+
+def plain_file(lesson: str) -> str:
+    """The lesson's plain version: llmz/plain/stage2.py."""
+    return f"llmz/plain/{PLAIN[lesson][0]}.py"
+
+
+def exercise_file(lesson: str) -> str:
+    """The lesson's exercise, its plain version with the key lines removed: lessons/exercises/03_stage2.py."""
+    return f"lessons/exercises/{lesson[:2]}_{PLAIN[lesson][0]}.py"
 
 
 # ---- flags ------------------------------------------------------------------------------------------------
@@ -70,19 +94,62 @@ def parse(doc: str, argv, steps: int, sim_steps: int, grad_accum: int, steps_hel
     a.steps = a.steps or (sim_steps if a.kind == "sim" else steps)
     a.print_every = a.print_every or default_print_every(a.steps)
     a.rtol = LOSS_RTOL[a.precision]
+    load_plain(a)
     return a
+
+
+def load_plain(a) -> None:
+    """What the lesson trains with (a.plain): its plain version's class (or function), or with --mine FILE the
+    learner's. FILE is run from its text, so nothing is written beside it; a file that does not load, or lacks
+    what the lesson needs, is one line (a UsageError). a.plain_name says which in the checkpoints' lines."""
+    module, what, idea = PLAIN[a.lesson]
+    if not getattr(a, "mine", None):
+        a.plain = getattr(importlib.import_module(f"llmz.plain.{module}"), what)
+        a.plain_name = f"the plain {idea} ({plain_file(a.lesson)})"
+        return
+    try:
+        text = Path(a.mine).read_text()
+    except OSError as e:
+        raise UsageError(f"--mine {a.mine}: {e.strerror}") from None
+    mine = types.ModuleType(f"mine_{module}")
+    mine.__file__ = a.mine
+    try:
+        exec(compile(text, a.mine, "exec"), mine.__dict__)     # noqa: S102  (the learner's file, by request)
+    except SyntaxError as e:
+        raise UsageError(f"--mine {a.mine} line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001  (the learner's module fails to load: one line, where)
+        raise UsageError(f"--mine {a.mine}: {type(e).__name__}: {e} ({in_file(e, a.mine)})") from None
+    if not callable(getattr(mine, what, None)):
+        raise UsageError(f"--mine {a.mine} defines no {what}: start from {exercise_file(a.lesson)}")
+    a.plain = getattr(mine, what)
+    a.plain_name = f"your {idea} ({a.mine})"
+
+
+def in_file(e: BaseException, path: str) -> str:
+    """Where in `path` exception e was raised ("lessons/exercises/03_stage2.py:42"), or '' if not there."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) ==
+              os.path.abspath(path)]
+    return f"{path}:{frames[-1].lineno}" if frames else ""
+
+
+def open_gap(e: NotImplementedError, a) -> str | None:
+    """The line that stops a lesson whose --mine file hit a gap it has not filled in: where, and its hint."""
+    where = in_file(e, a.mine) if getattr(a, "mine", None) else ""
+    return f"{where}: {e} (fill it in, then run the lesson again)" if where else None
 
 
 def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_accum: int = 2,
          about_ranks: bool = False, steps_help: str = "optimizer steps", builds_on: str | None = None,
-         uses: tuple[str, ...] = ("--comm", "--kernels", "--attention", "--model", "--print-every")) -> int:
+         uses: tuple[str, ...] = ("--comm", "--kernels", "--attention", "--model", "--print-every",
+                                  "--mine")) -> int:
     """Parse, find my rank, run `lesson(args, ranks)` (it returns the exit code); an exception on any rank
-    ends every rank (llmz.launch.abort_on_error). The flags are checked on every rank once the ranks are up
-    (llmz.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
+    ends every rank (llmz.run.launch.abort_on_error). The flags are checked on every rank once the ranks are up
+    (llmz.run.launch.agree): a bad flag or a device that is not there is one `error:` line and exit 2, as in
     llmz.train. uses: the flags the lesson takes beyond --device, --steps and --diff (llmz.args.LESSON_FLAGS;
     by default those of a lesson that trains and draws nothing). A lesson `about_ranks` (its idea needs
     N > 1) says so when run alone. builds_on: the lesson whose file --diff compares this one with (None: the
-    first lesson, or an experiment of its own)."""
+    first lesson, or an experiment of its own). A gap of a --mine file is one line and exit 1 on every rank
+    (each rank reaches the same gap: the plain code does the same on every rank)."""
     ranks = init_ranks()
     with abort_on_error(ranks):
         a = agree(ranks, lambda: parse(doc, argv, steps, sim_steps, grad_accum, steps_help, uses))
@@ -93,7 +160,14 @@ def main(lesson, doc: str, argv=None, steps: int = 5, sim_steps: int = 2, grad_a
             say(ranks, f"note: this lesson is about several ranks, and it runs here as 1 (started without "
                 f"mpiexec): nothing is sent, and the checkpoints that compare ranks hold trivially. Run it as\n"
                 f"    mpiexec -n 2 python -m lessons.{a.lesson}")
-        code = lesson(a, ranks)
+        try:
+            code = lesson(a, ranks)
+        except NotImplementedError as e:
+            line = open_gap(e, a)
+            if line is None:
+                raise
+            say(ranks, line)
+            code = 1
     return code
 
 
@@ -103,30 +177,47 @@ def shown(a, step: int) -> bool:
 
 
 def lesson_diff(name: str, builds_on: str | None) -> str:
-    """What lesson `name` changed from lesson `builds_on`: the unified diff of their files."""
+    """What lesson `name` changed from lesson `builds_on`: the unified diff of their plain versions (the
+    mechanism), then of the lesson files (what they measure)."""
     if builds_on is None:
         return (f"{name} builds on no earlier lesson (it is the first, or an experiment of its own): read "
-                f"lessons/{name}.py whole\n")
-    old, new = (f"lessons/{n}.py" for n in (builds_on, name))
+                f"{plain_file(name)} and lessons/{name}.py whole\n")
+    return (file_diff(plain_file(builds_on), plain_file(name)) +
+            file_diff(f"lessons/{builds_on}.py", f"lessons/{name}.py"))
+
+
+def file_diff(old: str, new: str) -> str:
+    """The unified diff of two files of the repository, named by their paths in it."""
     before, after = ((LESSONS.parent / f).read_text().splitlines(keepends=True) for f in (old, new))
     return "".join(difflib.unified_diff(before, after, old, new))
 
 
 # ---- runs -------------------------------------------------------------------------------------------------
-def make_run(a, ranks, stage: int, batch_size: int | None = None, comm: str | None = None,
-             trace: str | None = None, overlap: bool = True):
-    """A run (llmz.trainer.Trainer) of the lesson's device and model at ZeRO `stage` on these ranks: a
-    learning rate that moves in a few steps, weight decay and clipping switched on so every part of the update runs,
-    no validation, and every collective launched from Python each step, so the communicator's counters count
-    them (a replayed CUDA graph runs the same calls without passing through the counters)."""
+def make_run(a, ranks, stage: int, plain=None, batch_size: int | None = None, comm: str | None = None,
+             trace: str | None = None):
+    """A run (llmz.trainer.Trainer) of the lesson's device and model at ZeRO `stage` on these ranks, with
+    llmz.zero's stage, or with `plain` (a plain stage's class, llmz.plain, or the learner's): a learning rate
+    that moves in a few steps, weight decay and clipping switched on so every part of the update runs, no
+    validation, fp32 without TF32 on a GPU (the same bits from the same inputs), and every collective launched
+    from Python each step, so the communicator's counters count them (a replayed CUDA graph runs the same calls
+    without passing through the counters)."""
     from llmz.trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
+    from llmz.zero import make_stage
     cfg = TrainConfig(device=a.kind, precision=a.precision, comm=comm or a.comm, kernels=a.kernels,
-                      attention=a.attention, no_cuda_graph=True, zero_stage=stage, no_overlap=not overlap,
-                      model=a.model, max_seq_len=a.seq_len, seq_len=a.seq_len,
-                      batch_size=batch_size or a.batch_size, grad_accum=a.grad_accum, steps=a.steps, lr=1e-2, warmup_steps=2, lr_schedule="constant",
+                      attention=a.attention, no_cuda_graph=True, no_tf32=True, zero_stage=stage, model=a.model,
+                      max_seq_len=a.seq_len, seq_len=a.seq_len, batch_size=batch_size or a.batch_size,
+                      grad_accum=a.grad_accum, steps=a.steps, lr=1e-2, warmup_steps=2, lr_schedule="constant",
                       weight_decay=0.1, grad_clip=1.0, val_data="", trace=trace, quiet=True)
     check_train(cfg, a.kind, ranks.world_size)
-    return Trainer(cfg, a.kind, ranks)
+    return Trainer(cfg, a.kind, ranks, make_stage=plain_stage(plain) if plain else make_stage)
+
+
+def plain_stage(cls):
+    """A maker of the plain stage `cls` with llmz.zero.make_stage's signature (the Trainer's): what only the
+    production stage has (overlap, the timeline, bf16's seed, a resume's step) it leaves out."""
+    def make(stage, layout, dev, comm, opt, params_host, **production_only):
+        return cls(layout, dev, comm, opt, params_host)
+    return make
 
 
 def one_rank(ranks):
@@ -135,27 +226,26 @@ def one_rank(ranks):
 
 
 def apply_break(stage) -> None:
-    """LLMZ_LESSON_BREAK: remove one collective from a ZeRO stage on purpose (see the module docstring)."""
+    """LLMZ_LESSON_BREAK: remove one collective from a plain stage on purpose (see the module docstring). The
+    stage's communicator (llmz.plain.base.Blocking) stops doing it: an all-reduce at stage 0 (the gradients'),
+    an all-gather at any stage (a block's or the step's), which leaves each rank with its own slice only."""
     what = os.environ.get("LLMZ_LESSON_BREAK", "")
     if what and what not in BREAKS:
         raise SystemExit(f"LLMZ_LESSON_BREAK={what}: choose one of {', '.join(BREAKS)}")
-    if what == "skip_all_gather" and stage.stage == 3:
-        comm = stage.comm
+    comm = stage.comm.comm                              # Blocking's: the run's Communicator
 
-        def no_gather(buf, src=None) -> Request:        # my slice in its place; the others' stay stale
-            if src is not None:
-                comm.place(buf, src)
-            return Request()                            # done at once (all_gather starts one and waits)
-        comm.start_all_gather = no_gather
-    elif what == "skip_all_gather":
-        stage.gather_parameters = lambda: None
+    def no_gather(buf, src=None) -> None:               # my slice in its place; the others' stay stale
+        if src is not None:
+            comm.place(buf, src)
+    if what == "skip_all_gather":
+        stage.comm.all_gather = no_gather
     if what == "skip_all_reduce":
-        stage.reduce_gradients = lambda: None
+        stage.comm.all_reduce = lambda buf, op="sum": None
 
 
 def say_setup(a, ranks, run) -> None:
     """The lesson's first line: ranks, device, precision, communicator, the model and the batch."""
-    c = run.config
+    c = run.model.config
     say(ranks, f"{n_ranks(ranks.world_size)} on {run.dev.kind} ({a.precision}), comm {run.comm.name}: "
         f"L={c.num_layers} C={c.channels} B={a.batch_size} T={a.seq_len} K={a.grad_accum}, "
         f"Ψ = {run.layout.num_parameters:,} parameters")
@@ -166,6 +256,8 @@ class Steps:
     """What side_by_side measured, one entry a step."""
     losses: list = field(default_factory=list)          # this lesson's run
     ref_losses: list = field(default_factory=list)      # the run it is compared with (empty where none ran)
+    norms: list = field(default_factory=list)           # the gradient norms of this lesson's run
+    ref_norms: list = field(default_factory=list)       # and of the reference
     sent: list = field(default_factory=list)            # bytes this lesson's run sent (llmz.comm's count)
     ref_sent: list = field(default_factory=list)
     calls: list = field(default_factory=list)           # the collectives it ran: {name: count}
@@ -173,40 +265,44 @@ class Steps:
     events: list = field(default_factory=list)          # the traced step's timeline (rank 0)
 
 
-def side_by_side(a, ranks, run, ref, names: tuple[str, str], serial=None, trace: str | None = None,
+def side_by_side(a, ranks, run, ref, names: tuple[str, str], prod=None, trace: str | None = None,
                  measure=None) -> Steps:
-    """Train `run` (this lesson's) beside `ref` (the previous lesson's way, or a one-process reference; None
-    on a rank that does not run it) and `serial` (run's serialised twin, for the same bits) for a.steps
-    steps, a line a step (every --print-every steps: `shown`); names: how the lines call run and ref.
-    measure: (label, fn): fn(run) before and after each step of run, its growth recorded (an int: the
-    difference; a list: what was appended). trace: rank 0 records the timeline of run's second step there."""
+    """Train `run` (this lesson's, with its plain stage) beside `ref` (the previous lesson's way, or a one-process
+    reference; None on a rank that does not run it) and `prod` (llmz.zero's stage of this lesson, for the same
+    bits) for a.steps steps, a line a step (every --print-every steps: `shown`); names: how the lines call run
+    and ref. measure: (label, fn): fn(run) before and after each step of run, its growth recorded (an int: the
+    difference; a list: what was appended). trace: rank 0 records the timeline of prod's second step there."""
     out = Steps()
     traced = min(1, a.steps - 1)
     for step in range(a.steps):
         if ref:
             ref.comm.reset_counters()
-            out.ref_losses.append(ref.step(step)["loss"])
+            done = ref.step(step)
+            out.ref_losses.append(done["loss"])
+            out.ref_norms.append(done["grad_norm"])
             out.ref_sent.append(ref.comm.bytes_sent)
-        if serial:
-            serial.step(step)
-        recording = trace and step == traced and ranks.rank == 0
-        if recording:
-            run.tracer.start()
+        if prod:
+            recording = trace and step == traced and ranks.rank == 0
+            if recording:
+                prod.tracer.start()
+            prod.step(step)
+            if recording:
+                out.events = prod.tracer.stop(trace)["traceEvents"]
         run.comm.reset_counters()
         before = measure[1](run) if measure else 0
-        out.losses.append(run.step(step)["loss"])
+        done = run.step(step)
+        out.losses.append(done["loss"])
+        out.norms.append(done["grad_norm"])
         if measure:
             after = measure[1](run)
             out.measured.append(after[len(before):] if isinstance(after, list) else after - before)
         out.sent.append(run.comm.bytes_sent)
         out.calls.append(run.comm.calls.copy())
-        if recording:
-            out.events = run.tracer.stop(trace)["traceEvents"]
         if not shown(a, step):
             continue
-        line = f"step {step}: {names[0]} loss {out.losses[-1]:.10f}"
+        line = f"step {step}: {names[0]} loss {out.losses[-1]:.10f} norm {out.norms[-1]:.6f}"
         if ref:
-            line += f" | {names[1]} loss {out.ref_losses[-1]:.10f}"
+            line += f" | {names[1]} loss {out.ref_losses[-1]:.10f} norm {out.ref_norms[-1]:.6f}"
         if measure:
             m = out.measured[-1]
             line += f" | {len(m) if isinstance(m, list) else m} {measure[0]}"
@@ -217,14 +313,29 @@ def side_by_side(a, ranks, run, ref, names: tuple[str, str], serial=None, trace:
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
 def check_same_losses(ck, a, steps: Steps, claim: str, across_ranks: bool = False) -> bool:
-    """Checkpoint: this lesson's losses equal the reference's, step by step, within a.rtol. claim: what is
-    compared ("losses of stage 1 = stage 0's over 5 steps"). Where no reference ran, this rank agrees."""
+    """Checkpoint: this lesson's losses and gradient norms equal the reference's, step by step, within a.rtol
+    (the norm: a gradient summed where its mean belongs, or normed over a part only, shows there even where
+    clipping hides it from the parameters). claim: what is compared ("losses and gradient norms of stage 1 =
+    stage 0's over 5 steps"). Where no reference ran, this rank agrees."""
     if not steps.ref_losses:
         return ck.check(True, "", across_ranks=across_ranks)      # rank 0's verdict is the check's
-    d = max_rel_diff(steps.losses, steps.ref_losses)
-    return ck.check(d <= a.rtol, f"{claim}: {steps.losses[-1]:.10f} vs {steps.ref_losses[-1]:.10f} at the "
-                    f"last (worst relative difference {d:.1e}, expected <= {a.rtol:.0e})",
+    d_loss = max_rel_diff(steps.losses, steps.ref_losses)
+    d_norm = max_rel_diff(steps.norms, steps.ref_norms)
+    return ck.check(max(d_loss, d_norm) <= a.rtol,
+                    f"{claim}: loss {steps.losses[-1]:.10f} vs {steps.ref_losses[-1]:.10f}, gradient norm "
+                    f"{steps.norms[-1]:.6f} vs {steps.ref_norms[-1]:.6f} at the last (worst relative difference "
+                    f"{d_loss:.1e} in the losses, {d_norm:.1e} in the norms, expected <= {a.rtol:.0e})",
                     across_ranks=across_ranks)
+
+
+def check_same_as_production(ck, a, ranks, run, prod, what: str) -> bool:
+    """Checkpoint: the code this lesson trained with (its plain version, or --mine's) ends with the same
+    parameters as llmz.zero's stage trained beside it, bit for bit, on every rank: the code the lesson shows is
+    the code that trains. Both go through the same Communicator, so MPI sums every element in the same order
+    (llmz.comm: a blocking reduce-scatter is the non-blocking one, waited for)."""
+    same = same_bits(ranks, run, prod)
+    return ck.check(all(same), f"{a.plain_name} = llmz.zero's {what}, bit for bit: the parameters after "
+                    f"{a.steps} steps equal on {sum(same)} of {n_ranks(ranks.world_size)}, expected all")
 
 
 def check_sharded(ck, run, ref, category: str, ref_name: str) -> bool:
@@ -239,6 +350,20 @@ def check_sharded(ck, run, ref, category: str, ref_name: str) -> bool:
     return ck.check(mine == b * sum(parts.values()), f"{category} per rank {fmt_bytes(mine)} = "
                     + " + ".join(f"{k} {fmt_bytes(b * v)}" for k, v in parts.items())
                     + f" (expected exactly), vs {ref_name}'s full {fmt_bytes(full)}: {mine / full:.2f}x")
+
+
+def count_in_micro_steps(run, name: str):
+    """Count the `name` collectives (llmz.comm's calls) that run's micro-steps (forward and backward) make, not
+    its update; returns the count so far as a function of the run (side_by_side's `measure`)."""
+    counted = {"n": 0}
+    micro_step = run.micro_step
+
+    def counting() -> None:
+        before = run.comm.calls[name]
+        micro_step()
+        counted["n"] += run.comm.calls[name] - before
+    run.micro_step = counting
+    return lambda r: counted["n"]
 
 
 def sent_as_predicted(ranks, sent: list, expect: int) -> tuple[int, bool]:
@@ -276,7 +401,7 @@ def check_overlap(ck, ranks, run, events: list, share: str, started: str, gpu: s
 # ---- across ranks -----------------------------------------------------------------------------------------
 def gather(ranks, obj) -> list:
     """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
-    return allgather(ranks, obj)                # under the collective watchdog (llmz.watchdog)
+    return allgather(ranks, obj)                # under the collective watchdog (llmz.run.watchdog)
 
 
 def params_hash(run) -> str:
@@ -305,8 +430,8 @@ def say(ranks, *args, end: str = "\n") -> None:
         print(*args, end=end, flush=True)
 
 
-class Checkpoints:
-    """Numbered checks: `check(ok, text)` on every rank, in the same order; rank 0 prints. A check that
+class Checks:
+    """A lesson's checkpoints, numbered: `check(ok, text)` on every rank, in the same order; rank 0 prints. A check that
     compares ranks (`across_ranks=True`) says so when there is one rank only: it holds trivially."""
 
     def __init__(self, ranks, total: int):
@@ -377,7 +502,7 @@ def memory_figure(reports: dict[str, dict], title: str, note: str | None = None)
 
 def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:
     """Rank 0 draws plot_memory's chart of these runs' memory reports ({label: run}) into path. With one rank
-    it says, on the chart and in a line per stage (llmz.runlog.zero_on_one_rank), why the later stages hold
+    it says, on the chart and in a line per stage (llmz.run.log.zero_on_one_rank), why the later stages hold
     more than stage 0."""
     if ranks.rank != 0:
         return

@@ -9,5 +9,5 @@ __version__ = "0.1.0"
 if sys.argv[:1] == ["-m"]:      # `python -m llmz.<command>` is starting: Ctrl-C during its imports is one line
     from .errors import one_line_interrupts
     one_line_interrupts()
-    from .environment import explain_missing_modules  # so is a requirement missing from this Python
+    from .run.environment import explain_missing_modules  # so is a requirement missing from this Python
     explain_missing_modules()

@@ -5,11 +5,11 @@ written; anything else is refused in one line (`error: ...`, exit status 2) befo
 The commands build their parsers with `Parser` (argparse's own errors become that one line too, and every
 flag's help ends with its default) and call `check_train` (on the TrainConfig the flags map onto),
 `check_sample` or `check_bench`; the lessons' flags are parsed and checked here too (`parse_lesson`).
-Under mpiexec every rank checks after the ranks are up (llmz.launch.agree), so a bad flag on any rank ends
+Under mpiexec every rank checks after the ranks are up (llmz.run.launch.agree), so a bad flag on any rank ends
 the whole job at once.
 
 What the checks read: headers only (a model file's config, a token file's count, a checkpoint's DONE),
-and the tokenizer. Everything is read through llmz.files: never a FIFO, never more than a header announces.
+and the tokenizer. Everything is read through llmz.run.files: never a FIFO, never more than a header announces.
 """
 from __future__ import annotations
 
@@ -19,26 +19,29 @@ import os
 
 import numpy as np
 
-from . import files
-from .checkpoint import model_config, model_header
-from .config import PRESETS, RECOMPUTE, TrainConfig, default_model, preset
+from .config import PRESETS, RECOMPUTE, TrainConfig, default_model, fmt_bytes, preset
 from .data import find_token_files, token_count
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, kernel_paths
 from .errors import LlmzError, UsageError
-from .files import fmt_bytes, prepare_folder, prepare_output
 from .layout import Layout
 from .memory import activation_elements, predicted
 from .precision import PRECISIONS
-from .sample import MAX_TOKENS, window
-from .state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
+from .run import files
+from .run.files import prepare_folder, prepare_output
+from .run.model_file import model_config, model_header
+from .run.state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
+from .run.watchdog import MIN_TIMEOUT_S
 from .tokenizer import load_tokenizer as load_any_tokenizer
 from .tokenizer import start_id
-from .watchdog import MIN_TIMEOUT_S
 
 # the ZeRO stages whose step --trace records (llmz.trace: each bucket's reduce-scatter against backward);
 # a stage that gets traced joins this tuple
 TRACE_STAGES = (2, 3)
 SEED_LIMIT = 2**32          # seeds are 32-bit: numpy's generators take any, the bf16 rounding hash uses 32 bits
+UNKNOWN_WINDOW_MAX = 256        # the default window of a model file that does not say its trained T
+# the most tokens one sample may ask for (--tokens, and llmz.train's --sample-tokens): each is a forward pass
+# over the window, ~1 ms for d12 on a GPU, longer on a CPU, so a million is about the longest wait worth asking
+MAX_TOKENS = 1_000_000
 
 
 # ---- parser -------------------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
         batches_in(cfg.train_data, "train_data", cfg.batch_size, cfg.seq_len, world_size)
         if cfg.val_data:
             batches_in(cfg.val_data, "val_data", cfg.batch_size, cfg.seq_len, world_size)
-        if kind != "gpu":                   # the GPU's: llmz.guards.check_fits (llmz.guards.check_fits)
+        if kind != "gpu":                   # the GPU's: llmz.run.guards.check_fits (llmz.run.guards.check_fits)
             check_host_memory(Layout(model, world_size), cfg.zero_stage, cfg.batch_size, cfg.seq_len,
                               PRECISIONS[cfg.precision].value_bytes, cfg.recompute)
         check_checkpoint_dir(cfg, start, resume)
@@ -344,6 +347,22 @@ def check_kernels(args, kind: str) -> None:
 
 
 # ---- python -m llmz.sample -----------------------------------------------------------------------------------
+def window(seq_len: int | None, max_seq_len: int, trained: int) -> tuple[int, str]:
+    """The window T a sample runs with, and the words that say why: --seq-len when given, else the T the model
+    was trained at (positions past it were never trained: text there is noise), else maxT up to
+    UNKNOWN_WINDOW_MAX (each token runs the whole window forward)."""
+    if seq_len:
+        why = "as --seq-len asks"
+        if trained and seq_len > trained:
+            why += f"; the model was trained at T={trained}, positions past it were never trained"
+        return seq_len, why
+    if trained:
+        return trained, "the length the model was trained at"
+    T = min(max_seq_len, UNKNOWN_WINDOW_MAX)
+    return T, ("the model file does not say the length it was trained at: its maxT" +
+               (f", at most {UNKNOWN_WINDOW_MAX}" if T < max_seq_len else "") + "; --seq-len to change")
+
+
 def check_sample(args, kind: str = "cpu"):
     """Every flag of llmz.sample -> (model config, tokenizer, prompt ids) for the run; reads the model's header
     only. Any refusal is a UsageError."""
@@ -401,10 +420,11 @@ def check_bench(args) -> None:
 # ---- the lessons: python -m lessons.NN_name ------------------------------------------------------------
 # the flags a lesson may take beyond --device, --steps and --diff, which every lesson takes; each lesson names
 # those it uses (lessons.common.main), so its --help lists nothing it ignores
-LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every")
+LESSON_FLAGS = ("--comm", "--kernels", "--attention", "--model", "--grad-accum", "--out", "--print-every",
+                "--mine")
 # the settings of a flag a lesson does not take (the library's defaults: what the lesson runs with)
 LESSON_DEFAULTS = {"comm": "auto", "kernels": "auto", "attention": "auto", "model": None, "batch_size": None,
-                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None}
+                   "seq_len": None, "grad_accum": 1, "out": "lessons_out", "print_every": None, "mine": None}
 
 
 def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_accum: int = 2,
@@ -448,6 +468,10 @@ def parse_lesson(argv, name: str, doc: str, steps: int, sim_steps: int, grad_acc
     if "--out" in uses:
         a("--out", default="lessons_out",
           help="where figures go, named by model, ranks and K (default lessons_out)")
+    if "--mine" in uses:
+        a("--mine", metavar="FILE", default=None, help="train with FILE, your version of the lesson's plain "
+          "code (start from its exercise, lessons/exercises/), and grade it with the lesson's checkpoints "
+          "(default: none, the plain code of llmz/plain/)")
     a("--diff", action="store_true",
       help="print what this lesson changed from the one it builds on (a unified diff) and exit")
     args = p.parse_args(argv)

@@ -27,7 +27,7 @@ Indices and steps are taken modulo 2^32. Callers choose the index so that one pa
 whichever rank or ZeRO stage rounds it (its position in the flat buffer), and different seeds for different
 purposes (parameters, gradients) so those draws are independent.
 
-This module imports no numba: the file formats (llmz.checkpoint) and host-staged communication (llmz.comm)
+This module imports no numba: the file formats (llmz.run.model_file) and host-staged communication (llmz.comm)
 use it too.
 """
 from __future__ import annotations

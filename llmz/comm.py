@@ -8,7 +8,7 @@ One interface, three backends (`make_communicator` picks one):
   mpi    mpi4py on host memory. NumPy buffers (cpu, sim) go to MPI directly. CuPy buffers are staged:
          synchronise the whole device, copy to the host, MPI, copy back, synchronise again. That round trip
          through the host, which stalls both streams, is exactly the cost NCCL exists to remove.
-Every collective has a deadline, --collective-timeout (llmz.watchdog): MPI's are its non-blocking calls
+Every collective has a deadline, --collective-timeout (llmz.run.watchdog): MPI's are its non-blocking calls
 waited on with the deadline; NCCL's are watched by a thread on the host through events, and a CUDA graph's
 replay is watched as one operation (`after_graph`).
   local  one rank: every collective is the identity (a sum or an average over one rank), so a single
@@ -48,9 +48,7 @@ from typing import Any
 import numpy as np
 
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.errors import LlmzError
-from llmz.launch import AgreedError, RankInfo, allgather
-from llmz.watchdog import NcclWatchdog, Watch
+from llmz.errors import AgreedError, LlmzError
 
 COMM_KINDS = ("auto", "nccl", "mpi")
 OPS = ("sum", "avg")
@@ -121,11 +119,13 @@ class Communicator:
     """
     name = "local"
 
-    def __init__(self, ranks: RankInfo, dev=None):
+    def __init__(self, ranks, dev=None):
+        """ranks: who this rank is among how many (llmz.run.launch.RankInfo), with the watch that bounds every
+        collective (ranks.watch: llmz.run.watchdog.Watch); dev: where the buffers live (None: NumPy only)."""
         self.rank = ranks.rank
         self.world_size = ranks.world_size
-        self.dev = dev                  # where buffers live (None: NumPy buffers only)
-        self.watch = ranks.watch or Watch()     # the deadline and the collectives' sequence numbers
+        self.dev = dev
+        self.watch = ranks.watch        # the deadline and the collectives' sequence numbers
         self.bytes_sent = 0
         self.calls: Counter[str] = Counter()
 
@@ -256,13 +256,13 @@ class LocalCommunicator(Communicator):
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py on the host: each collective a non-blocking call, waited on within the deadline (llmz.watchdog).
+    """mpi4py on the host: each collective a non-blocking call, waited on within the deadline (llmz.run.watchdog).
     A started collective (start_reduce_scatter, start_all_gather) on host buffers stays in flight until it is
     needed; the ones in flight complete in the order they were started. CuPy buffers go through host copies
     (see the module docstring) and complete before the call returns."""
     name = "mpi"
 
-    def __init__(self, ranks: RankInfo, dev):
+    def __init__(self, ranks, dev):
         from mpi4py import MPI
         super().__init__(ranks, dev)
         self.MPI = MPI
@@ -371,7 +371,7 @@ class NcclCommunicator(Communicator):
     """NCCL through cupy.cuda.nccl, one GPU per rank, every call enqueued on dev.comm_stream."""
     name = "nccl"
 
-    def __init__(self, ranks: RankInfo, dev):
+    def __init__(self, ranks, dev):
         import cupy
         from cupy.cuda import nccl
         from mpi4py import MPI
@@ -382,12 +382,12 @@ class NcclCommunicator(Communicator):
         self.world = MPI.COMM_WORLD
         self._nccl_module = nccl
         # rank 0 makes the unique id (128 bytes), MPI carries it to the others, all join the communicator
-        uid = allgather(ranks, nccl.get_unique_id() if ranks.rank == 0 else None)[0]
+        uid = self.watch.allgather_object(nccl.get_unique_id() if ranks.rank == 0 else None)[0]
         with cupy.cuda.Device(dev.gpu_index):
             self.nccl = nccl.NcclCommunicator(ranks.world_size, uid, ranks.rank)
         self._stream = dev.comm_stream.cupy.ptr
         self._grouped: list[str] | None = None   # inside group(): its collectives, enqueued at its end
-        self.watchdog = NcclWatchdog(self.watch, dev.gpu_index, abort=self._abort)
+        self.watchdog = self.watch.watch_nccl(dev.gpu_index, abort=self._abort)
         atexit.register(self.close)     # before MPI_Finalize (mpi4py registered its handler earlier)
 
     @staticmethod
@@ -461,14 +461,14 @@ class NcclCommunicator(Communicator):
             self.nccl = None
 
 
-def shared_gpus(ranks: RankInfo, dev) -> str:
+def shared_gpus(ranks, dev) -> str:
     """'' when every rank drives its own GPU; else which ranks share one (a collective: all ranks call it)."""
     if ranks.world_size == 1 or dev.kind != "gpu":
         return ""
     import cupy
     bus = cupy.cuda.Device(dev.gpu_index).pci_bus_id
     owners: dict[tuple[str, str], list[int]] = {}
-    for r, key in enumerate(allgather(ranks, (ranks.hostname, bus))):
+    for r, key in enumerate(ranks.watch.allgather_object((ranks.hostname, bus))):
         owners.setdefault(key, []).append(r)
     for (host, bus), rs in owners.items():
         if len(rs) > 1:
@@ -476,7 +476,7 @@ def shared_gpus(ranks: RankInfo, dev) -> str:
     return ""
 
 
-def make_communicator(kind: str, ranks: RankInfo, dev) -> Communicator:
+def make_communicator(kind: str, ranks, dev) -> Communicator:
     """kind 'auto': local for one rank; nccl when every rank has its own GPU; mpi otherwise."""
     if kind not in COMM_KINDS:
         raise LlmzError(f"--comm {kind!r}: choose one of {', '.join(COMM_KINDS)}")

@@ -6,8 +6,6 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 
-from .watchdog import DEFAULT_TIMEOUT_S
-
 
 def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
     """llm.c pads the vocabulary to a multiple of 128 so the classifier matmul tiles evenly."""
@@ -49,6 +47,8 @@ GPT2_VOCAB, BYTE_VOCAB = 50257, 256
 # --recompute (llm.c's -r), what backward computes again instead of keeping (llmz.model.Activations): 0 keep
 # everything, 1 GELU, 2 also the two layernorms a block, 3 also attention's (T, T) softmax (flash keeps none)
 RECOMPUTE = (0, 1, 2, 3)
+# --zero-stage: the ZeRO stages (llmz.zero.STAGES says what each shards)
+ZERO_STAGES = (0, 1, 2, 3)
 
 PRESETS = {
     "tiny": (2, 2, 16, BYTE_VOCAB),
@@ -98,6 +98,15 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+def fmt_bytes(n: float) -> str:
+    """512 -> '512 B', 3 * 2**30 -> '3.00 GiB' (binary units, up to GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
 def default_model(kind: str) -> str:
     """The preset a run trains when none is named: d6 on a GPU, `small` on a laptop's CPU."""
     return "d6" if kind == "gpu" else "small"
@@ -111,6 +120,9 @@ def default_print_every(steps: int) -> int:
     return min(nice, key=lambda n: abs(math.log(n / target)))
 
 
+# how long a collective may wait for the other ranks (--collective-timeout, llmz.run.watchdog): PyTorch's default
+# for NCCL (torch.distributed, 10 minutes)
+DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 
@@ -156,16 +168,16 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    max_loss: float | None = None       # None: 3 ln V (llmz.guards)
+    max_loss: float | None = None       # None: 3 ln V (llmz.run.guards)
     # what the run reports and writes
     val_every: int = 250
     val_batches: int = 10
     sample_every: int = 0
     sample_tokens: int = 200
-    log: str | None = None              # --log FILE.jsonl (llmz.runlog)
+    log: str | None = None              # --log FILE.jsonl (llmz.run.log)
     save: str | None = None             # --save FILE.bin
     trace: str | None = None            # --trace FILE.json (llmz.trace)
-    checkpoint_dir: str | None = None   # llmz.checkpointing
+    checkpoint_dir: str | None = None   # llmz.run.checkpoints
     checkpoint_every: int = 0
     keep: int = 0
     resume: str | None = None           # a step folder, or 'latest'
@@ -173,7 +185,7 @@ class TrainConfig:
     print_every: int | None = None      # a progress line every N steps (None: default_print_every(steps))
     resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's
     resume_other_data: bool = False     # --resume with a data file that changed under its name (a note)
-    collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.watchdog)
+    collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.run.watchdog)
 
     def for_device(self, kind: str) -> TrainConfig:
         """This configuration with the device-dependent defaults filled in: a small model on a laptop CPU,

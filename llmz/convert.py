@@ -11,7 +11,7 @@ What changes between the two (llm.c's dev/eval/export_hf.py does the same mappin
 - wte: llm.c pads it to Vp rows (a multiple of 128; the rows past V are zero and never used); Hugging Face
   has the V real rows. The output head is wte itself (tied) in both: no lm_head.weight is written.
 - config.json: n_positions = maxT, layer_norm_epsilon 1e-5 and activation gelu_new (the tanh GELU), as llm.c
-  computes; llmz_trained_seq_len keeps the T the model was trained at (llmz.checkpoint's header slot 8), so
+  computes; llmz_trained_seq_len keeps the T the model was trained at (llmz.run.model_file's header slot 8), so
   that llm.c -> Hugging Face -> llm.c gives back the same bytes.
 
 safetensors, written and read here without the package: an 8-byte little-endian header length N, N bytes of
@@ -30,12 +30,19 @@ import sys
 import numpy as np
 
 from .bf16 import bf16_to_f32, f32_to_bf16
-from .checkpoint import load_model, model_header, save_llmc
 from .config import GPT2Config, padded_vocab
-from .data import atomic_write
 from .errors import LlmzError, UsageError
-from .files import check_memory, loads_json, make_folders, open_regular, read_bytes, remove_folders
 from .layout import Layout
+from .run.files import (
+    atomic_write,
+    check_memory,
+    loads_json,
+    make_folders,
+    open_regular,
+    read_bytes,
+    remove_folders,
+)
+from .run.model_file import load_model, model_header, save_llmc
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 # llm.c tensor -> (Hugging Face name, with {l} for the layer; transposed: a Conv1D weight, stored (in, out))
@@ -290,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .files import prepare_folder, prepare_output
+    from .run.files import prepare_folder, prepare_output
     try:
         args = build_parser().parse_args(argv)
         try:

@@ -3,107 +3,37 @@
 Token file: a header of 256 int32 ([0]=20240520 magic, [1]=1 version, [2]=number of tokens), then the
 tokens as uint16; its size is exactly 1024 + 2 * ntok bytes.
 
-Every file llmz writes goes through `atomic_write`: the bytes go to a temporary name in the same folder,
-which replaces the final name only once complete, so a crash never leaves a half-written file behind.
-
 A run knows its data by content: the DataLoader takes the SHA-256 of every token file's bytes (all of
 them, header included: what `sha256sum FILE` prints) while it reads the file, the reading and the hashing
 overlapped. The ranks agree on it before any step (`check_same_data`): each rank reads its own files (a
 relative glob, node-local copies), so each sends the others the name, size and digest of every file it
 reads, and a rank whose data differ from rank 0's is named in one line. Checkpoints keep the digests, and a
-resume compares them (llmz.checkpointing.check_data).
+resume compares them (llmz.run.checkpoints.check_data).
 """
 from __future__ import annotations
 
 import glob
 import hashlib
-import os
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import LlmzError
-from .files import TMP_SUFFIX, TMP_TAIL, cut_name, name_limits, open_regular, read_array, read_bytes
-from .launch import AgreedError, allgather
+from .errors import AgreedError, LlmzError
+from .run.files import (
+    HEADER_BYTES,
+    HEADER_INTS,
+    atomic_write,
+    check_header,
+    check_size,
+    open_regular,
+    read_array,
+    read_bytes,
+    read_header,
+)
+from .run.launch import allgather
 
-HEADER_INTS = 256                 # every llm.c header is 256 x 4 bytes
-HEADER_BYTES = 4 * HEADER_INTS
 TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
-# Magic numbers of llm.c's files, to tell a user which file they passed instead of the right one.
-KNOWN_MAGICS = {20240326: "an llm.c model file", 20240328: "an llm.c tokenizer file",
-                20240520: "an llm.c token file", 20240527: "an llm.c training-state file",
-                20261203: "an llmz training-state file"}
-
-
-# ---- writing and reading whole files ------------------------------------------------------------------
-def _write_part(f, part) -> None:
-    """Write one piece (bytes or a contiguous array) to an open binary file."""
-    f.write(memoryview(np.ascontiguousarray(part)).cast("B") if isinstance(part, np.ndarray) else part)
-
-
-def atomic_write(path: str, parts: Sequence) -> None:
-    """Write `parts` (bytes / arrays, in order) to `path` through a temporary file and os.replace.
-    A failure leaves any previous file at `path` untouched and removes the temporary file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    # NAME.XXXXXXXX.tmp, NAME cut short where the whole would not fit the folder's NAME_MAX
-    prefix = cut_name(os.path.basename(path), name_limits(folder)[0] - TMP_TAIL) + "."
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=folder)
-    except OSError as e:
-        raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(f.fileno(), 0o666 & ~umask)   # mkstemp's file is private (0600): give it the usual mode
-            for part in parts:
-                _write_part(f, part)
-            f.flush()
-            os.fsync(f.fileno())        # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
-        raise
-
-
-def read_header(path: str, what: str):
-    """Open a regular file and read its header -> (open file positioned after the header, header bytes,
-    file size from fstat). A file shorter than the header gives the bytes it has (check_header refuses it)."""
-    f, size = open_regular(path, what)
-    try:
-        raw = read_bytes(f, min(size, HEADER_BYTES), path, what)
-    except BaseException:
-        f.close()
-        raise
-    return f, raw, size
-
-
-def check_header(path: str, raw: bytes, magic: int, what: str, dtype: str = "<i4") -> np.ndarray:
-    """The 256-entry header of `raw`, after checking the file is long enough and the magic number."""
-    if len(raw) < HEADER_BYTES:
-        raise LlmzError(f"{path}: truncated: {len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    header = np.frombuffer(raw, dtype=dtype, count=HEADER_INTS)
-    if int(header[0]) != magic:
-        found = int(header[0])
-        hint = f"this is {KNOWN_MAGICS[found]}" if found in KNOWN_MAGICS else f"not {what}"
-        raise LlmzError(f"{path}: bad magic {found} (expected {magic}; {hint})")
-    return header
-
-
-def check_size(path: str, actual: int, expected: int, detail: str) -> None:
-    """One line for a file whose size does not match what its header promises."""
-    if actual < expected:
-        raise LlmzError(f"{path}: truncated: {actual} bytes, {detail} needs {expected}")
-    if actual > expected:
-        raise LlmzError(f"{path}: wrong size: {actual} bytes, {detail} needs {expected} "
-                        f"({actual - expected} extra bytes)")
 
 
 # ---- token files ------------------------------------------------------------------------------------------

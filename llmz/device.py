@@ -100,10 +100,6 @@ def kernel_paths(kind: str, kernel_set: str = "auto", matmul: str = "auto",
     return kernel_set, matmul, attention
 
 
-def ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 class _NoStream:
     """cpu / sim: work runs in program order, so a stream is just a name."""
     def __init__(self, name: str):
@@ -238,6 +234,7 @@ class Device:
         self.tf32 = tf32                                 # cuBLAS fp32 products on TF32 tensor cores
         self._cublas = None
         self.profile = None                              # a list while per-kernel timing is on (llmz.bench)
+        self.profile_pace = None                         # called before each timed region (llmz.bench's pacer)
         # threads per block for 1-D kernels: the simulator runs each thread as a Python thread, keep it small
         self.block_size = 32 if self.kind == "sim" else 256
         if self.kind == "sim":
@@ -350,6 +347,7 @@ class Device:
     def launch_per_element(self, kernel, arrays, *extra, stream=None) -> None:
         """kernel(*arrays flattened, n, *extra) with one thread per element of the same-size arrays (n of them):
         the launch of the teaching set's elementwise kernels."""
+        from .kernels.grid import ceil_div  # numba is loaded by now (the kernel is a numba kernel)
         n = arrays[0].size
         self.launch(kernel, ceil_div(n, self.block_size), self.block_size, *(a.reshape(-1) for a in arrays), n,
                     *extra, stream=stream)
@@ -362,6 +360,8 @@ class Device:
         if self.profile is None or self.kind != "gpu":
             yield
             return
+        if self.profile_pace is not None:
+            self.profile_pace()
         s = stream or self.compute_stream
         e0, e1 = self.event(timing=True), self.event(timing=True)
         e0.record(s)

@@ -5,7 +5,7 @@ and the MPI library under it, the mpiexec on PATH (and whether it belongs to thi
 their bf16 support, cores. Then the commands that will run, and why the others will not. Exit status 0
 when the CPU path works (a tiny model's forward pass on the NumPy references), 1 when it does not.
 
-A Python without llmz's requirements does not get this far: llmz/environment.py says so in one line.
+A Python without llmz's requirements does not get this far: llmz/run/environment.py says so in one line.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import shutil
 import subprocess
 import sys
 
-from .environment import INSTALL, mpi_library
 from .errors import LlmzError, print_out
+from .run.environment import INSTALL, mpi_library
 
 
 # ---- what this machine has ----------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def numpy_row() -> tuple[str, str | None]:
         return "not installed", INSTALL
     import numpy  # noqa: F401  (loads the BLAS whose pool is reported)
 
-    from . import threads
+    from .run import threads
     try:
         pools = ", ".join(f"{k} {v} threads" for k, v in threads.pool_sizes().items()) or "no BLAS pool found"
     except ImportError:

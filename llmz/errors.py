@@ -30,6 +30,14 @@ def print_out(text: str) -> None:
         except (OSError, ValueError):
             pass
         raise LlmzError(f"cannot write to standard output ({e.strerror or e})") from None
+class AgreedError(LlmzError):
+    """An error raised on every rank alike (after llmz.run.launch.agree, or a check every rank makes the same
+    way): rank 0 prints it once and every rank exits with its status; no rank waits for another, so no
+    MPI_Abort is needed."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @contextlib.contextmanager

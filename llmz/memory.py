@@ -19,7 +19,7 @@ the GPU also reads the memory CuPy's pool holds.
 """
 from __future__ import annotations
 
-from .config import GPT2Config
+from .config import GPT2Config, fmt_bytes
 from .layout import Layout
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
@@ -89,14 +89,6 @@ def report(layout: Layout, stage: int, B: int, T: int, value_bytes: int, stage_o
     if used is not None:
         rep["device_used"] = used
     return rep
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def table(rep: dict) -> str:

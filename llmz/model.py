@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bf16 import bf16_to_f32
 from .config import RECOMPUTE, GPT2Config
 from .layout import Layout
 
@@ -146,9 +147,27 @@ class GPT2:
         # the layer functions: the op set the device runs (llmz.device.op_set: the NumPy references, the
         # teaching kernels or the fast ones); the same names and arguments in all three
         self.ops = dev.ops
-        # the batch's positions sorted by token (llmz.fast.encoder.wte_buckets, built on the host by whoever
-        # uploads the batch): the fast wte backward; None: the teaching kernel (which needs none)
+        # the batch's positions sorted by token, on the device (llmz.fast.encoder.wte_buckets; backward_plan
+        # makes it on the host, use_backward_plan uploads it): the fast wte backward; None: the teaching
+        # kernel, which needs none
         self.wte_buckets = None
+
+    # ---- the host's part of a backward, made ahead ----------------------------------------------------------
+    def backward_plan(self, inputs_host) -> np.ndarray | None:
+        """What a backward of the batch inputs_host ((B, T) int, on the host) needs the host to make: with the
+        fast kernels, its positions sorted by token for the wte gradient (llmz.fast.encoder.wte_buckets, ~2-3 ms
+        at B=16, T=1024: a caller makes the next batch's while the GPU runs this step); None with the others,
+        which need nothing."""
+        if not self.dev.fast:
+            return None
+        from .fast.encoder import wte_buckets
+        return wte_buckets(inputs_host)
+
+    def use_backward_plan(self, inputs_host, plan) -> None:
+        """The next backward is of inputs_host: its backward_plan (None: nothing to do) to the device."""
+        if plan is not None:
+            from .fast.encoder import wte_buckets_upload
+            self.wte_buckets = wte_buckets_upload(self.dev, inputs_host, plan)
 
     def forward(self, p, inputs, targets=None) -> None:
         """p: the parameter store, p.bucket(b) = bucket b's named views (b: embeddings 0, block l 1+l, lnf L+1);
@@ -256,3 +275,38 @@ class GPT2:
     def mean_loss(self) -> float:
         """Host read of the mean loss of the last forward (a synchronisation: call outside the hot path)."""
         return float(np.mean(self.dev.to_host(self.acts.losses), dtype=np.float64))
+
+
+def generate(model: GPT2, params, ids: list[int], n_tokens: int, seed: int, temperature: float = 1.0,
+             vocab: int | None = None, on_token=None) -> list[int]:
+    """n_tokens token ids sampled after `ids`, as llm.c samples: run the whole window forward, take the logits
+    at the last position, sample from the softmax over the first V (real) tokens, append, repeat; the window
+    slides once it is T long. model: a GPT2 built for B=1; params: its parameter store; ids: the prompt, at
+    least one id (a sample without one starts from a start token, llmz.tokenizer.start_id). Samples among
+    the first `vocab` ids (default: the model's V; fewer when the tokenizer knows fewer); temperature 0 takes
+    the most likely. on_token(id): called with each new id as it is drawn (printing, progress)."""
+    dev, T, V = model.dev, model.T, model.config.vocab_size
+    V = min(V, vocab or V)
+    rng = np.random.default_rng(seed)
+    ids = list(ids)
+    start = len(ids)
+    x = dev.zeros((1, T), np.int32)
+    window = np.zeros((1, T), np.int32)
+    for _ in range(n_tokens):
+        ctx = ids[-T:]
+        window[...] = 0
+        window[0, :len(ctx)] = ctx
+        dev.copy_from_host(x, window)
+        model.forward(params, x)                    # causal: positions after len(ctx) change nothing
+        logits = dev.to_host(model.acts.logits[0, len(ctx) - 1, :V])
+        logits = (bf16_to_f32(logits) if logits.dtype == np.uint16 else logits).astype(np.float64)
+        if temperature == 0:
+            ids.append(int(np.argmax(logits)))
+        else:
+            z = logits / temperature
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            ids.append(int(rng.choice(V, p=p)))
+        if on_token:
+            on_token(ids[-1])
+    return ids[start:]

@@ -7,7 +7,7 @@ loss, faint, a centred moving average of it on top, and the validation loss as d
 before clipping, the learning rate, and tokens/s. Each run has one colour, named in the legend by its file
 and, from its start record, its ZeRO stage and number of ranks: lay stage 0's curve over stage 2's.
 
-The log format (llmz/runlog.py): a `{"event": "start", ...}` record, one `{"step", "loss", "lr",
+The log format (llmz/run/log.py): a `{"event": "start", ...}` record, one `{"step", "loss", "lr",
 "grad_norm", "ms", "tokens_per_s", ...}` record per step, `{"step", "val_loss"}` records, and
 `{"event": ...}` records (checkpoint, end). Records and fields it does not know are skipped; a step logged
 twice (a log that continues a resumed run) keeps its last record.
@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import LlmzError
-from .files import loads_json
+from .run.files import loads_json
 
 FORMATS = ("png", "svg", "pdf")
 # one line style per run besides its colour, so a run that repeats another's numbers (stage 2 over stage 0)
@@ -32,8 +32,8 @@ STYLES = ("-", "--", ":", "-.")
 
 
 @dataclass
-class RunLog:
-    """What one log file holds, sorted by step."""
+class LogFile:
+    """What one --log file holds (llmz.run.log writes it), sorted by step."""
     path: str
     label: str
     start: dict = field(default_factory=dict)       # the start record ({} if the log has none)
@@ -72,7 +72,7 @@ def describe(start: dict) -> str:
     return ", ".join(bits)
 
 
-def read_log(path: str) -> RunLog:
+def read_log(path: str) -> LogFile:
     """Parse one --log file; an unreadable or malformed one raises LlmzError naming the file and line."""
     if not os.path.exists(path):
         raise LlmzError(f"{path}: no such file")
@@ -83,7 +83,7 @@ def read_log(path: str) -> RunLog:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise LlmzError(f"{path}: cannot read as a text log ({getattr(e, 'strerror', None) or e})") from None
-    log = RunLog(path, "")
+    log = LogFile(path, "")
     lines = text.split("\n")
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -113,7 +113,7 @@ def read_log(path: str) -> RunLog:
     return log
 
 
-def label_runs(runs: list[RunLog], labels: list[str] | None = None) -> None:
+def label_runs(runs: list[LogFile], labels: list[str] | None = None) -> None:
     """Name each run for the legend: the given labels, else the file's name (its path, where two runs'
     file names are the same) and what its start record says (ZeRO stage, ranks, precision)."""
     if labels:
@@ -141,13 +141,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def auto_window(runs: list[RunLog]) -> int:
+def auto_window(runs: list[LogFile]) -> int:
     """The default smoothing: an odd window of about 1/50 of the longest run's steps (1: none)."""
     n = max(len(r.train) for r in runs)
     return (n // 50) | 1
 
 
-def figure(runs: list[RunLog], x: str = "step", smooth: int = 1, title: str | None = None):
+def figure(runs: list[LogFile], x: str = "step", smooth: int = 1, title: str | None = None):
     """A matplotlib figure of the runs' curves (four panels; per-step values averaged over `smooth` steps,
     the raw ones faint behind). Every line of a run carries its label; val-loss lines' labels end in (val)."""
     import matplotlib
@@ -203,7 +203,7 @@ def save(fig, path: str) -> None:
     """Write the figure (format from the file's extension), whole or not at all, and close it."""
     import matplotlib.pyplot as plt
 
-    from .data import atomic_write
+    from .run.files import atomic_write
     buf = io.BytesIO()
     fig.savefig(buf, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
     plt.close(fig)
@@ -214,7 +214,7 @@ def save(fig, path: str) -> None:
     atomic_write(path, [buf.getvalue()])
 
 
-def summary_line(run: RunLog) -> str:
+def summary_line(run: LogFile) -> str:
     steps, loss = run.series("loss")
     parts = [f"{run.label}: {len(steps)} steps"]
     if loss:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .data import write_tokens
 from .errors import LlmzError, UsageError
-from .files import fit_name, open_regular, prepare_output, read_bytes
+from .run.files import fit_name, open_regular, prepare_output, read_bytes
 from .tokenizer import ByteTokenizer, Gpt2Tokenizer, write_tokenizer
 
 LINE_SEARCH = 1000          # characters before the cut searched for a line start

@@ -1,8 +1,8 @@
 """python -m llmz.sample --init-from FILE.bin --prompt TEXT: generate text from an llm.c model file.
 
-Generation as llm.c does it: run the whole window forward, take the logits at the last position, sample
-from the softmax over the first V (real) tokens, append, repeat. The window slides once it is T long.
-The text is printed as it is generated; on a terminal, stderr shows the progress (tokens, elapsed, ETA).
+Generation as llm.c does it (llmz.model.generate): run the whole window forward, take the logits at the last
+position, sample from the softmax over the first V (real) tokens, append, repeat. The window slides once it
+is T long. The text is printed as it is generated; on a terminal, stderr shows the progress (tokens, elapsed, ETA).
 """
 from __future__ import annotations
 
@@ -11,67 +11,11 @@ import time
 
 import numpy as np
 
-from .bf16 import bf16_to_f32
+from .args import MAX_TOKENS, UNKNOWN_WINDOW_MAX, Parser, check_sample, window
 from .device import KERNEL_SETS, KINDS, resolve
-
-UNKNOWN_WINDOW_MAX = 256        # the default window of a model file that does not say its trained T
-# the most tokens one sample may ask for (--tokens, and llmz.train's --sample-tokens): each is a forward pass
-# over the window, ~1 ms for d12 on a GPU, longer on a CPU, so a million is about the longest wait worth asking
-MAX_TOKENS = 1_000_000
-
-
-def generate(model, pviews, tok, prompt_ids, n_tokens: int, seed: int, temperature: float = 1.0,
-             vocab: int | None = None, on_token=None) -> list[int]:
-    """model: a GPT2 built for B=1; returns the prompt plus n_tokens sampled token ids (no prompt: the
-    sampled ids alone, after a start token, llmz.tokenizer.start_id). Samples among the first `vocab` ids
-    (default: the model's V; fewer when the tokenizer knows fewer); temperature 0 takes the most likely.
-    on_token(id): called with each new id as it is drawn (printing, progress)."""
-    from .tokenizer import start_id
-    dev, T, V = model.dev, model.T, model.config.vocab_size
-    V = min(V, vocab or V)
-    rng = np.random.default_rng(seed)
-    ids = list(prompt_ids) or [start_id(tok)]
-    start = len(ids)
-    x = dev.zeros((1, T), np.int32)
-    window = np.zeros((1, T), np.int32)
-    for _ in range(n_tokens):
-        ctx = ids[-T:]
-        window[...] = 0
-        window[0, :len(ctx)] = ctx
-        dev.copy_from_host(x, window)
-        model.forward(pviews, x)                    # causal: positions after len(ctx) change nothing
-        logits = dev.to_host(model.acts.logits[0, len(ctx) - 1, :V])
-        logits = (bf16_to_f32(logits) if logits.dtype == np.uint16 else logits).astype(np.float64)
-        if temperature == 0:
-            ids.append(int(np.argmax(logits)))
-        else:
-            z = logits / temperature
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            ids.append(int(rng.choice(V, p=p)))
-        if on_token:
-            on_token(ids[-1])
-    return ids if prompt_ids else ids[start:]
-
-
-def window(seq_len: int | None, max_seq_len: int, trained: int) -> tuple[int, str]:
-    """The window T a sample runs with, and the words that say why: --seq-len when given, else the T the model
-    was trained at (positions past it were never trained: text there is noise), else maxT up to
-    UNKNOWN_WINDOW_MAX (each token runs the whole window forward)."""
-    if seq_len:
-        why = "as --seq-len asks"
-        if trained and seq_len > trained:
-            why += f"; the model was trained at T={trained}, positions past it were never trained"
-        return seq_len, why
-    if trained:
-        return trained, "the length the model was trained at"
-    T = min(max_seq_len, UNKNOWN_WINDOW_MAX)
-    return T, ("the model file does not say the length it was trained at: its maxT" +
-               (f", at most {UNKNOWN_WINDOW_MAX}" if T < max_seq_len else "") + "; --seq-len to change")
 
 
 def build_parser():
-    from .args import Parser
     p = Parser(prog="python -m llmz.sample", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--init-from", required=True, metavar="FILE.bin", help="the llm.c model file (fp32 or bf16) to sample from "
@@ -94,7 +38,6 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from .args import check_sample
     from .errors import INTERRUPTED_EXIT, LlmzError, UsageError, before_any_work
     done = [0]
     try:
@@ -104,12 +47,12 @@ def main(argv=None) -> int:
         except (ValueError, RuntimeError) as e:
             raise UsageError(str(e)) from None
         cfg, tok, prompt_ids = check_sample(args, kind)
-        from .checkpoint import load_model, model_header
         from .device import Device
         from .layout import Layout
-        from .model import GPT2, FullParams
-        from .progress import Progress
-        from .tokenizer import TextStream
+        from .model import GPT2, FullParams, generate
+        from .run.model_file import load_model, model_header
+        from .run.progress import Progress
+        from .tokenizer import TextStream, start_id
         with before_any_work():                 # found wrong while reading it: status 2
             _, llmc = load_model(args.init_from)
             T, why = window(args.seq_len, cfg.max_seq_len, model_header(args.init_from)[2])
@@ -142,8 +85,8 @@ def main(argv=None) -> int:
                 sys.stderr.write(f"\rsample: {done[0]}/{args.tokens} tokens, {progress.line()}, "
                                  f"{done[0] / max(progress.elapsed, 1e-9):.1f} tokens/s ")
                 sys.stderr.flush()
-        generate(model, FullParams(layout, params), tok, prompt_ids, args.tokens, args.seed, args.temperature,
-                 vocab=vocab, on_token=on_token)
+        generate(model, FullParams(layout, params), prompt_ids or [start_id(tok)], args.tokens, args.seed,
+                 args.temperature, vocab=vocab, on_token=on_token)
         out.write(stream.end() + "\n")
         out.flush()
         if live:

@@ -23,7 +23,7 @@ import os
 import time
 from typing import NamedTuple
 
-from .data import atomic_write
+from .run.files import atomic_write
 
 
 class Tracer:

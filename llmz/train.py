@@ -12,12 +12,12 @@ import sys
 import numpy as np
 
 from .args import TRACE_STAGES, Parser, check_train, flag
-from .config import RECOMPUTE, TrainConfig, describe_presets
+from .config import RECOMPUTE, ZERO_STAGES, TrainConfig, describe_presets
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
 from .errors import LlmzError, UsageError
-from .launch import abort_on_error, agree, init_ranks, start_failed
 from .precision import PRECISIONS
-from .watchdog import peek_timeout
+from .run.launch import abort_on_error, agree, init_ranks, start_failed
+from .run.watchdog import peek_timeout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def device_flags(a) -> None:
     a("--no-tf32", action="store_true", help="cuBLAS fp32 products in full fp32 instead of TF32")
     a("--no-cuda-graph", action="store_true", help="launch every kernel from Python each step instead of "
       "replaying the step captured as a CUDA graph (the GPU default with --comm nccl or one rank)")
-    a("--zero-stage", type=int, choices=(0, 1, 2, 3), help="0: every rank keeps "
+    a("--zero-stage", type=int, choices=ZERO_STAGES, help="0: every rank keeps "
       "everything; 1: the optimizer state sharded; 2: the gradients sharded too, reduce-scattered during "
       "backward; 3: the parameters sharded too, each block all-gathered just before it runs")
     a("--no-overlap", action="store_true", help="stages 2 and 3: serialise each reduce-scatter with backward "
@@ -162,7 +162,7 @@ def parse_args(argv=None, kind: str | None = None, world_size: int = 1) -> tuple
 
 
 def main(argv=None) -> int:
-    """The ranks first, then the flags: every rank checks them and all agree (llmz.launch.agree), so a bad
+    """The ranks first, then the flags: every rank checks them and all agree (llmz.run.launch.agree), so a bad
     flag on any rank ends the whole job with one line, exit status 2, and no rank left waiting."""
     try:
         ranks = init_ranks(collective_timeout=peek_timeout(argv))

@@ -8,8 +8,8 @@
 A Trainer holds everything one rank needs: device, communicator, data, model, its ZeRO stage (llmz.zero),
 AdamW (llmz.optim); its step is K micro-steps of forward and backward, then the stage's update. train() is
 the loop around it, nanoGPT's: validate, sample, step, check, log, checkpoint. The rest has a module of its
-own: where the run starts and what it writes (llmz.checkpointing), what stops it (llmz.guards), what it
-says (llmz.runlog), its samples (llmz.sampling).
+own in llmz/run/, the run's housekeeping: where the run starts and what it writes (llmz.run.checkpoints), what
+stops it (llmz.run.guards), what it says (llmz.run.log); its samples are the Sampler below.
 
 Importing this module imports numba (the kernels, through llmz.zero): resolve the device first
 (llmz.device.resolve), as the simulator needs.
@@ -22,34 +22,34 @@ import time
 
 import numpy as np
 
-from . import checkpointing, memory
+from . import memory
 from .bf16 import bf16_to_f32
-from .checkpointing import Checkpoints
 from .comm import make_communicator
-from .config import TrainConfig
+from .config import GPT2Config, TrainConfig
 from .data import DataLoader, check_same_data
 from .device import Device
-from .errors import LlmzError, before_any_work
-from .fast.encoder import wte_buckets, wte_buckets_upload
+from .errors import AgreedError, LlmzError, before_any_work
 from .graph import Graphs
-from .guards import Guards, check_fits
-from .launch import AgreedError, agree, interrupted
-from .lock import take_locks
-from .model import GPT2
+from .model import GPT2, generate
 from .optim import AdamW
 from .precision import PRECISIONS
-from .runlog import RunLog
-from .sampling import Sampler
-from .state import check_run_identity, run_identity
-from .tokenizer import load_tokenizer
+from .run import checkpoints
+from .run.checkpoints import Checkpoints
+from .run.guards import Guards, check_fits
+from .run.launch import agree, interrupted
+from .run.lock import take_locks
+from .run.log import RunLog
+from .run.state import check_run_identity, run_identity
+from .tokenizer import load_tokenizer, start_id
 from .trace import Tracer
 from .zero import make_stage
 
 
 class Trainer:
-    """One rank's run, built from `cfg` (TrainConfig.for_device filled in) on a resolved device `kind`."""
+    """One rank's run, built from `cfg` (TrainConfig.for_device filled in) on a resolved device `kind`.
+    make_stage builds its ZeRO stage: llmz.zero's, or in the lessons their plain twin's (llmz.plain)."""
 
-    def __init__(self, cfg: TrainConfig, kind: str, ranks):
+    def __init__(self, cfg: TrainConfig, kind: str, ranks, make_stage=make_stage):
         self.cfg, self.ranks = cfg, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.notes: list[str] = []                  # lines for rank 0 to print (resume decisions)
@@ -58,12 +58,11 @@ class Trainer:
                           attention=cfg.attention, tf32=not cfg.no_tf32, kernel_set=cfg.kernels)
         self.comm = make_communicator(cfg.comm, ranks, self.dev)
         self.tok = load_tokenizer(cfg.tokenizer)
-        self.resumed = checkpointing.find(cfg, ranks, self.notes)
+        self.resumed = checkpoints.find(cfg, ranks, self.notes)
         self.run_id = run_identity(self.resumed, ranks)             # kept across resumes (a collective)
-        self.config, self.layout, params = checkpointing.start(cfg, kind, self.tok, self.world_size,
-                                                               self.resumed)
-        self.sampler = Sampler(cfg, self.tok, self.config, self.dev, self.notes)
-        B, T, V = cfg.batch_size, cfg.seq_len, self.config.vocab_size
+        config, self.layout, params = checkpoints.start(cfg, kind, self.tok, self.world_size, self.resumed)
+        self.sampler = Sampler(cfg, self.tok, config, self.dev, self.notes)
+        B, T, V = cfg.batch_size, cfg.seq_len, config.vocab_size
         self.train_loader = DataLoader(cfg.train_data, B, T, self.rank, self.world_size, shuffle=cfg.shuffle,
                                        seed=cfg.seed, vocab_size=V)
         self.val_loader = (DataLoader(cfg.val_data, B, T, self.rank, self.world_size, vocab_size=V)
@@ -71,7 +70,7 @@ class Trainer:
         # every file's name, size and SHA-256, the same on every rank (a collective), and the resumed
         # checkpoint's where it names the same file
         self.data = check_same_data(ranks, {"--train-data": self.train_loader, "--val-data": self.val_loader})
-        self.notes += checkpointing.check_data(cfg, self.resumed, self.data)
+        self.notes += checkpoints.check_data(cfg, self.resumed, self.data)
         self.opt = AdamW(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                          weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                          warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
@@ -82,7 +81,7 @@ class Trainer:
             predicted = memory.predicted(self.layout, cfg.zero_stage, B, T, value_bytes, flash=flash,
                                          recompute=cfg.recompute)
             check_fits(predicted, free, total, self.dev.gpu_index)
-        self.model = GPT2(self.config, self.dev, B, T, recompute=cfg.recompute)
+        self.model = GPT2(config, self.dev, B, T, recompute=cfg.recompute)    # its shape: self.model.config
         self.tracer = Tracer(self.dev, self.rank) if cfg.trace else None
         self.zero = make_stage(cfg.zero_stage, self.layout, self.dev, self.comm, self.opt, params,
                                overlap=not cfg.no_overlap, tracer=self.tracer, seed=cfg.seed,
@@ -129,8 +128,8 @@ class Trainer:
         No host synchronisation, no allocation (a CUDA graph captures it)."""
         z, m, cfg = self.zero, self.model, self.cfg
         # forward to the logits; backward's fused classifier computes the losses and dlogits in one pass
-        m.forward(z.pviews, self.x)
-        m.backward(z.pviews, z, self.x, self.y, 1.0 / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
+        m.forward(z.param_store, self.x)
+        m.backward(z.param_store, z, self.x, self.y, 1.0 / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
         self.dev.ops.sum_into(self.dev, self.loss_sum, m.acts.losses)
         z.backward_done()
 
@@ -150,28 +149,27 @@ class Trainer:
     # ---- batches ---------------------------------------------------------------------------------------
     def next_batch(self, loader, backward: bool = False) -> None:
         """The loader's next (x, y) into the device buffers self.x, self.y (on the compute stream). backward:
-        the batch's backward follows, so with the fast kernels also its positions sorted by token (their wte
-        backward; a forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it
-        is this batch's."""
+        the batch's backward follows, so also what the model's backward needs of it (GPT2.backward_plan; a
+        forward-only batch, as in validation, needs none). Uses what prepare_batch made, when it is this
+        batch's."""
         prepared = self.prepared
         if prepared is None or prepared[:2] != (loader, loader.position):
             prepared = self.prepare_batch(loader, backward)
         self.prepared = None
-        _, _, x, y, table = prepared
+        _, _, x, y, plan = prepared
         loader.position += 1
         self.dev.copy_from_host(self.x, x)
         self.dev.copy_from_host(self.y, y)
-        if backward and table is not None:
-            self.model.wte_buckets = wte_buckets_upload(self.dev, x, table)
+        if backward:
+            self.model.use_backward_plan(x, plan)
 
     def prepare_batch(self, loader, backward: bool = True) -> tuple:
-        """The host side of the loader's next batch: (loader, position, x, y, its wte bucket table for a
-        backward with the fast kernels, else None), kept for next_batch. Called while the GPU is busy (after
-        the update is queued), so the sort of the next batch's tokens (~2-3 ms at B=16, T=1024) costs no GPU
-        time."""
+        """The host side of the loader's next batch: (loader, position, x, y, the model's backward_plan of it
+        for a backward, else None), kept for next_batch. Called while the GPU is busy (after the update is
+        queued), so the host's part of the next backward costs no GPU time."""
         x, y = loader.peek()
-        table = wte_buckets(x) if backward and self.dev.fast else None
-        self.prepared = (loader, loader.position, x, y, table)
+        plan = self.model.backward_plan(x) if backward else None
+        self.prepared = (loader, loader.position, x, y, plan)
         return self.prepared
 
     # ---- across ranks, and on the host -----------------------------------------------------------------
@@ -189,7 +187,7 @@ class Trainer:
         total = 0.0
         for _ in range(n):
             self.next_batch(self.val_loader)
-            self.model.forward(self.zero.pviews, self.x, self.y)
+            self.model.forward(self.zero.param_store, self.x, self.y)
             total += self.model.mean_loss()
         return self.mean_over_ranks(total / n)
 
@@ -199,8 +197,45 @@ class Trainer:
         return bf16_to_f32(p) if p.dtype == np.uint16 else p
 
 
+class Sampler:
+    """The samples a training run prints (--sample-every, and one at the end): llmz.model.generate, from the
+    parameters the run trains, on a second GPT2 of batch 1 (cheap activations), with seeds drawn from the
+    run's own RNG, whose state every checkpoint keeps, so a resumed run prints the samples the uninterrupted
+    one would."""
+
+    def __init__(self, cfg: TrainConfig, tok, config: GPT2Config, dev, notes: list[str]):
+        self.tok, self.config, self.dev = tok, config, dev
+        self.n_tokens, self.T = cfg.sample_tokens, cfg.seq_len
+        self.rng = np.random.default_rng(cfg.seed)          # draws the seeds of the samples
+        self.model = None                                    # the B=1 model, built for the first sample
+        # among the tokens the tokenizer can decode (a model wider than its tokenizer, e.g. --vocab-size 50257
+        # on byte data, would otherwise sample ids it cannot print)
+        self.vocab = min(config.vocab_size, tok.vocab_size)
+        if self.vocab < config.vocab_size and cfg.sample_tokens:
+            notes.append(f"note: the model has {config.vocab_size} tokens, the tokenizer {tok.vocab_size}: "
+                         f"samples are drawn among the tokenizer's {tok.vocab_size} only")
+
+    def next_seed(self) -> int:
+        """The seed of the next printed sample, from the run's RNG (saved in checkpoints)."""
+        return int(self.rng.integers(2**31))
+
+    def sample(self, params, prompt_ids, n_tokens: int, seed: int) -> list[int]:
+        """The prompt and n_tokens ids after it (no prompt: those alone, after a start token), from the
+        parameter store `params` (llmz.model): at ZeRO stage 3 it gathers the parameters, so every rank calls
+        it."""
+        if self.model is None:
+            self.model = GPT2(self.config, self.dev, 1, self.T)
+        ids = generate(self.model, params, list(prompt_ids) or [start_id(self.tok)], n_tokens, seed,
+                       vocab=self.vocab)
+        return list(prompt_ids) + ids
+
+    def text(self, params) -> str:
+        """A sample of --sample-tokens tokens from an empty prompt, decoded, with the run's next seed."""
+        return self.tok.decode(self.sample(params, [], self.n_tokens, self.next_seed()))
+
+
 def train(cfg: TrainConfig, kind: str, ranks) -> dict:
-    """Train as `cfg` says, on this rank; returns the summary (llmz.runlog). The end of a run goes in the
+    """Train as `cfg` says, on this rank; returns the summary (llmz.run.log). The end of a run goes in the
     order that loses nothing: the last checkpoint, --save, the log's end record and close, and only then the
     sample (its failure can no longer cost anything). A non-finite or diverged step stops the run, naming the
     step, on every rank."""
@@ -236,7 +271,7 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
                 if not math.isfinite(loss):
                     stop(f"step {step}: non-finite validation loss {loss}")
             if sample:
-                log.sample(run.sampler.text(run.zero.pviews))
+                log.sample(run.sampler.text(run.zero.param_store))
             out, seconds = run.timed_step(step, trace=cfg.trace if step == traced else None)
             if cfg.trace and step == traced:
                 log.say(f"timeline {cfg.trace} (and .png), step {step}: {run.tracer.measured}")
@@ -268,7 +303,7 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     # other stages a rank that did not generate would wait as long for rank 0 in its next collective, a wait
     # the collective watchdog's deadline would have to cover
     if cfg.sample_tokens:
-        log.say("--- sample ---\n" + run.sampler.text(run.zero.pviews) + "\n--------------")
+        log.say("--- sample ---\n" + run.sampler.text(run.zero.param_store) + "\n--------------")
     return summary
 
 
@@ -278,7 +313,7 @@ def every(n: int, step: int) -> bool:
 
 
 def where_stopped(cfg: TrainConfig, run, log, step) -> str:
-    """The words of a run stopped by Ctrl-C or a signal (llmz.launch.interrupted says which): where, the last
+    """The words of a run stopped by Ctrl-C or a signal (llmz.run.launch.interrupted says which): where, the last
     checkpoint, the log."""
     last = (run.checkpoints.last if run else None) or ("none" if cfg.checkpoint_dir else
                                                        "none (no --checkpoint-dir)")

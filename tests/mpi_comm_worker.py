@@ -29,11 +29,11 @@ import time
 
 import numpy as np
 
-from llmz import watchdog
 from llmz.comm import bf16_to_f32, f32_to_bf16, make_communicator
 from llmz.device import Device
 from llmz.errors import LlmzError
-from llmz.launch import abort_on_error, init_ranks
+from llmz.run import watchdog
+from llmz.run.launch import abort_on_error, init_ranks
 
 
 def rank_inputs(size: int, n: int) -> list[np.ndarray]:

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmz.checkpoint import save_model
 from llmz.config import PRESETS, preset
 from llmz.data import write_tokens
 from llmz.errors import LlmzError, UsageError
-from llmz.launch import RankInfo
 from llmz.layout import Layout, init_parameters
+from llmz.run.launch import RankInfo
+from llmz.run.model_file import save_model
 from mpirun import REPO
 
 BASE = ["--device", "cpu", "--model", "tiny", "-b", "2", "-t", "8", "--steps", "2", "--val-batches", "1",
@@ -203,8 +203,8 @@ def test_a_readonly_output_folder_is_refused_at_start(tmp_path):
 
 
 def test_a_configuration_that_cannot_fit_in_host_memory_is_refused_at_start(monkeypatch):
-    import llmz.files
-    monkeypatch.setattr(llmz.files, "available_memory", lambda: 1 << 20)           # 1 MiB
+    import llmz.run.files
+    monkeypatch.setattr(llmz.run.files, "available_memory", lambda: 1 << 20)           # 1 MiB
     refused("--model", "small", match="does not fit in memory")
 
 
@@ -303,7 +303,7 @@ def test_fuzzed_flags_start_cleanly_and_train_to_the_end_or_are_refused_in_one_l
     trains to its end in this process (a few steps at most) and writes what it was asked to. A run whose
     (valid) flags make it diverge, such as --lr 3e38, is stopped by the divergence check, naming the step,
     with nothing non-finite saved. No late failure, no other exception."""
-    from llmz.state import checkpoints, load_checkpoint
+    from llmz.run.state import checkpoints, load_checkpoint
     from llmz.train import parse_args
     from llmz.trainer import train
     outcomes = {"started": 0, "refused": 0, "stopped": 0}

@@ -8,7 +8,6 @@ import pytest
 
 from helpers import NAN_BF16, REL_BF16, finite_diff, poisoned, rand_bf16, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
 from llmz.kernels.attention import (
     attention_backward,
     attention_backward_ref,
@@ -20,6 +19,7 @@ from llmz.kernels.attention import (
     attention_softmax_kernel,
     attention_values_kernel,
 )
+from llmz.kernels.grid import ceil_div
 
 B, T, C, NH = 2, 5, 12, 3          # head size 4
 

@@ -16,7 +16,6 @@ from helpers import (
     rel_err,
 )
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
 from llmz.kernels.classifier import (
     classifier_backward,
     classifier_backward_kernel,
@@ -27,6 +26,7 @@ from llmz.kernels.classifier import (
     classifier_fused_ref,
     classifier_loss,
 )
+from llmz.kernels.grid import ceil_div
 
 B, T, V, Vp = 2, 3, 50, 64          # 64 columns: two sim blocks' worth of threads, V not a multiple of 32
 

@@ -18,7 +18,7 @@ from llmz.comm import (
 )
 from llmz.device import Device
 from llmz.errors import LlmzError
-from llmz.launch import RankInfo
+from llmz.run.launch import RankInfo
 from mpirun import REPO, run_mpi
 
 WORKER = "tests/mpi_comm_worker.py"
@@ -113,15 +113,15 @@ def test_bf16_rounding_is_to_nearest_even(rng):
 
 
 def test_one_process_without_mpiexec_is_rank_0_of_1_and_launch_imports_no_mpi():
-    out = _python("import sys, llmz.launch, llmz.comm\n"
-                  "assert 'mpi4py.MPI' not in sys.modules, 'importing llmz.launch started MPI'\n"
-                  "print(llmz.launch.init_ranks())")
+    out = _python("import sys, llmz.run.launch, llmz.comm\n"
+                  "assert 'mpi4py.MPI' not in sys.modules, 'importing llmz.run.launch started MPI'\n"
+                  "print(llmz.run.launch.init_ranks())")
     assert out.returncode == 0, out.stderr
     assert "RankInfo(rank=0, world_size=1, local_rank=0, local_size=1" in out.stdout
 
 
 def test_abort_on_error_in_one_process_prints_one_line_and_exits_1():
-    out = _python("from llmz.launch import abort_on_error\nfrom llmz.errors import LlmzError\n"
+    out = _python("from llmz.run.launch import abort_on_error\nfrom llmz.errors import LlmzError\n"
                   "with abort_on_error():\n    raise LlmzError('data/x.bin: not a token file')")
     assert out.returncode == 1
     assert out.stderr == "error: data/x.bin: not a token file\n"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from llmz import convert
-from llmz.checkpoint import load_model, model_header, save_model
 from llmz.config import preset
 from llmz.layout import Layout, init_parameters
+from llmz.run.model_file import load_model, model_header, save_model
 from mpirun import REPO
 
 # V = 100 is not a multiple of 128: wte has 28 padded rows in the llm.c file and none in the folder
@@ -206,9 +206,9 @@ def test_transformers_loads_the_folder_and_its_logits_are_llmz_forward(tmp_path,
     import torch
     from transformers import GPT2LMHeadModel
 
-    from llmz.checkpoint import load_model_flat
     from llmz.device import Device
     from llmz.model import GPT2, FullParams
+    from llmz.run.model_file import load_model_flat
     src = model_file(tmp_path / "m.bin", rng)
     convert.to_hf(str(src), str(tmp_path / "hf"))
     hf, info = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)

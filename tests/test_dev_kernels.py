@@ -26,7 +26,6 @@ from helpers import (
     ulps_apart,
 )
 from llmz.bf16 import bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
-from llmz.device import ceil_div
 from llmz.fast.encoder import wte_buckets_upload
 from llmz.kernels import encoder as teaching_encoder
 from llmz.kernels import gelu as teaching_gelu
@@ -35,6 +34,7 @@ from llmz.kernels import residual as teaching_residual
 from llmz.kernels.adamw import adamw_update_bf16_ref
 from llmz.kernels.classifier import classifier_fused_ref
 from llmz.kernels.gelu import gelu_backward_ref, gelu_forward_ref
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.layernorm import layernorm_backward_ref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # the repository root: dev/

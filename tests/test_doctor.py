@@ -1,12 +1,13 @@
 """python -m llmz.doctor reports the machine in one screen and exits 0 where the CPU path works; a Python
-without llmz's requirements, or a rank alone under a launcher of several, ends in one line (llmz/environment.py)."""
+without llmz's requirements, or a rank alone under a launcher of several, ends in one line (llmz/run/environment.py)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from llmz import doctor, environment
+from llmz import doctor
+from llmz.run import environment
 from mpirun import REPO
 
 

@@ -7,12 +7,12 @@ import pytest
 from test_adamw import BETA1, BETA2, EPS, SEED, WD, assert_same_update, random_bf16_state, scalars5_at
 
 from llmz.bf16 import f32_to_bf16
-from llmz.device import ceil_div
 from llmz.fast import adamw as fast
 from llmz.fast.adamw import adamw_bf16_pairs_kernel
 from llmz.fast.device_helpers import elementwise_blocks, pair_view
 from llmz.kernels.adamw import adamw_bf16_kernel, adamw_update_bf16_ref
 from llmz.kernels.bf16 import hash_args
+from llmz.kernels.grid import ceil_div
 
 
 def adamw_bf16_both(dev, state, g, decay, scalars, stochastic, offset):

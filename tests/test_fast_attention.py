@@ -8,7 +8,6 @@ from test_attention import GB, GNH, GT, _forward_ref, causal, poison, worst_rel
 
 from helpers import REL_BF16, poisoned, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
 from llmz.fast import attention as fast
 from llmz.fast.attention import (
     ROWS_PER_BLOCK,
@@ -20,6 +19,7 @@ from llmz.fast.attention import (
 from llmz.fast.device_helpers import pair_view
 from llmz.kernels import attention as teaching
 from llmz.kernels.attention import attention_backward_ref
+from llmz.kernels.grid import ceil_div
 
 B, T, C, NH = 2, 5, 12, 3          # head size 4
 

@@ -12,7 +12,6 @@ import pytest
 
 from helpers import assert_within_one_step, gpu_ms_per_call, poisoned, rand_bf16, rel_err, ulps_apart
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
 from llmz.fast import column_sum as colsum
 from llmz.fast.column_sum import (
     COLSUM_PAIR_STRIP,
@@ -23,6 +22,7 @@ from llmz.fast.column_sum import (
     pairs_fit,
 )
 from llmz.fast.device_helpers import pair_view
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.matmul import matmul_backward_bias_kernel
 
 

@@ -7,10 +7,10 @@ from test_gelu import gelu_bf16_against_float32
 
 import llmz.fast
 from helpers import STORAGES, as_f64, bits, nan_storage, rand_storage
-from llmz.device import ceil_div
 from llmz.fast import gelu as fast
 from llmz.fast.device_helpers import elementwise_blocks, pair_view
 from llmz.kernels import gelu as teaching
+from llmz.kernels.grid import ceil_div
 
 # word counts in the simulator (32-thread blocks, 4 words a thread): 37 less than a block's 128, 301 three blocks
 # with a ragged tail, 129 one word past a full block

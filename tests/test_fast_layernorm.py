@@ -22,7 +22,6 @@ from test_layernorm import (
 import llmz.fast
 from helpers import assert_within_one_step, gpu_ms_per_call, poisoned, rel_err
 from llmz.bf16 import f32_to_bf16
-from llmz.device import ceil_div
 from llmz.fast import layernorm as fast
 from llmz.fast.column_sum import colsum_geometry
 from llmz.fast.device_helpers import WARP
@@ -38,6 +37,7 @@ from llmz.fast.layernorm import (
     warp_rows_geometry,
 )
 from llmz.kernels import layernorm as teaching
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.layernorm import layernorm_backward_ref
 
 

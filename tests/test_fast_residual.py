@@ -8,10 +8,10 @@ from test_residual import residual_bf16_against_float32
 import llmz.fast
 from helpers import STORAGES, bits, nan_storage, rand_storage
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
 from llmz.fast import residual as fast
 from llmz.fast.device_helpers import elementwise_blocks, pair_view
 from llmz.kernels import residual as teaching
+from llmz.kernels.grid import ceil_div
 
 
 def forward_both(dev, a, b, out_storage):

@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-import llmz.data
-from llmz.checkpoint import bf16_to_f32, f32_to_bf16, load_model, load_model_flat, save_model
+import llmz.run.files
 from llmz.config import GPT2Config
 from llmz.data import read_tokens, write_tokens
 from llmz.errors import LlmzError
 from llmz.layout import Layout
+from llmz.run.model_file import bf16_to_f32, f32_to_bf16, load_model, load_model_flat, save_model
 from llmz.tokenizer import read_tokenizer, write_tokenizer
 
 # L=2, C=16, NH=2, V=50 (padded 128), maxT=8: every tensor small, but V != Vp and L > 1
@@ -320,7 +320,7 @@ def writers(rng):
 def fail_after_first_part(exc):
     """A _write_part that writes the header, then fails the way `exc` says."""
     calls = []
-    real = llmz.data._write_part
+    real = llmz.run.files._write_part
 
     def part(f, data):
         if calls:
@@ -334,7 +334,7 @@ def fail_after_first_part(exc):
 def test_failed_write_leaves_no_file_under_the_final_name(tmp_path, rng, monkeypatch, which):
     write = writers(rng)[which]
     path = tmp_path / f"{which}.bin"
-    monkeypatch.setattr(llmz.data, "_write_part", fail_after_first_part(OSError(28, "No space left on device")))
+    monkeypatch.setattr(llmz.run.files, "_write_part", fail_after_first_part(OSError(28, "No space left on device")))
     with pytest.raises(LlmzError) as e:
         write(str(path))
     assert "No space left on device" in one_line_error(e, path)
@@ -347,7 +347,7 @@ def test_failed_overwrite_keeps_the_previous_file(tmp_path, rng, monkeypatch, wh
     path = tmp_path / f"{which}.bin"
     write(str(path))
     before = path.read_bytes()
-    monkeypatch.setattr(llmz.data, "_write_part", fail_after_first_part(KeyboardInterrupt()))
+    monkeypatch.setattr(llmz.run.files, "_write_part", fail_after_first_part(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         write(str(path))
     assert path.read_bytes() == before
@@ -355,7 +355,7 @@ def test_failed_overwrite_keeps_the_previous_file(tmp_path, rng, monkeypatch, wh
 
 
 def test_file_modules_import_no_numba():
-    code = ("import sys, llmz.data, llmz.tokenizer, llmz.checkpoint; "
+    code = ("import sys, llmz.data, llmz.tokenizer, llmz.run.model_file; "
             "assert 'numba' not in sys.modules, 'numba imported'")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -364,8 +364,7 @@ def test_file_modules_import_no_numba():
 
 # ---- names at the filesystem's limits; the log and its lock ------------------------------------------------------
 def test_a_file_of_the_longest_name_is_written_through_a_temporary_name_cut_to_fit(tmp_path, monkeypatch):
-    from llmz.data import atomic_write
-    from llmz.files import fit_name, name_limits, nbytes
+    from llmz.run.files import atomic_write, fit_name, name_limits, nbytes
     name_max = name_limits(str(tmp_path))[0]
     seen = []
     real = os.replace
@@ -382,7 +381,7 @@ def test_a_file_of_the_longest_name_is_written_through_a_temporary_name_cut_to_f
 
 
 def test_check_log_takes_llmz_logs_and_a_torn_last_line_and_refuses_anything_else(tmp_path):
-    from llmz.files import check_log
+    from llmz.run.files import check_log
     cases = {"empty": ("", None), "new": (None, None),
              "log": ('{"event": "start"}\n{"step": 0, "loss": 5.0}\n', None),
              "torn": ('{"event": "start"}\n{"step": 0, "lo', None), "torn start": ('{"event": "start", "con', None),
@@ -403,7 +402,7 @@ def test_check_log_takes_llmz_logs_and_a_torn_last_line_and_refuses_anything_els
 
 
 def test_an_open_log_is_locked_under_every_name_and_truncated_only_once_locked(tmp_path):
-    from llmz.files import JsonLog, check_not_written
+    from llmz.run.files import JsonLog, check_not_written
     log = tmp_path / "run.jsonl"
     first = JsonLog(str(log))
     first.write({"event": "start"})

@@ -659,10 +659,10 @@ def test_fallback_note_speaks_only_for_head_sizes_the_fast_kernels_do_not_cover(
 
 
 def test_a_run_says_at_start_when_bf16_flash_falls_back_to_the_teaching_kernels():
-    # llmz.runlog.flash_fallback: the note for the fast set's bf16 flash at head size 32 (--model small), none at
+    # llmz.run.log.flash_fallback: the note for the fast set's bf16 flash at head size 32 (--model small), none at
     # GPT-2's 64, none where the fast kernels are not the ones chosen (teaching set, fp32, gemm attention)
     from llmz.config import preset
-    from llmz.runlog import flash_fallback
+    from llmz.run.log import flash_fallback
 
     class Dev:                                   # what flash_fallback reads of a Device
         def __init__(self, kernel_set="fast", attention="flash", precision="bf16"):

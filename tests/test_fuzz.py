@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmz.checkpoint import load_model, save_model
 from llmz.config import GPT2Config
 from llmz.data import read_tokens, write_tokens
 from llmz.errors import LlmzError
 from llmz.layout import Layout, init_parameters
-from llmz.state import (
+from llmz.run.model_file import load_model, save_model
+from llmz.run.state import (
     DONE_FILE,
     MODEL_FILE,
     load_checkpoint,
@@ -199,7 +199,7 @@ def test_state_file_json_fields_are_each_validated(originals, tmp_path):
     """A well-formed file (right CRC) whose JSON says something impossible is refused, field by field."""
     import zlib
 
-    from llmz.state import STATE_MAGIC, STATE_VERSION, _align8
+    from llmz.run.state import STATE_MAGIC, STATE_VERSION, _align8
     raws, _ = originals
     raw = raws["state"]
     n = int(np.frombuffer(raw[8:12], "<u4")[0])

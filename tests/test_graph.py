@@ -10,7 +10,7 @@ import pytest
 
 def stage2_run(tmp_path, device: str, precision: str, comm: str = "auto", stage: int = 2):
     from llmz.data import write_tokens
-    from llmz.launch import init_ranks
+    from llmz.run.launch import init_ranks
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     path = os.path.join(tmp_path, "tokens.bin")
@@ -30,18 +30,19 @@ def accumulated_shard(run, micros: list[int], graphed: bool) -> np.ndarray:
     twice is exactly doubled and no draw would show); each micro-step through run.graphs (graphed) or called
     directly (eager)."""
     z = run.zero
-    start = np.random.default_rng(7).normal(0, 1e-3, z.grad_shard.size)
-    if z.grad_shard.dtype == np.uint16:
+    shard = z.grad_store.grad_shard
+    start = np.random.default_rng(7).normal(0, 1e-3, shard.size)
+    if shard.dtype == np.uint16:
         from llmz.bf16 import f32_to_bf16
         start = f32_to_bf16(start.astype(np.float32))
-    run.dev.copy_from_host(z.grad_shard, start.astype(z.grad_shard.dtype))
+    run.dev.copy_from_host(shard, start.astype(shard.dtype))
     for micro in micros:
         z.set_micro_step(micro)
         if graphed:
             run.graphs.run("micro_step", run.micro_step)
         else:
             run.micro_step()
-    return run.dev.to_host(z.grad_shard).copy()
+    return run.dev.to_host(shard).copy()
 
 
 @pytest.mark.gpu

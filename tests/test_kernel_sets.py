@@ -14,9 +14,9 @@ from llmz.bf16 import f32_to_bf16
 from llmz.comm import LocalCommunicator
 from llmz.config import GPT2Config
 from llmz.device import gpu_available
-from llmz.launch import RankInfo
 from llmz.layout import Layout, init_parameters
 from llmz.optim import AdamW
+from llmz.run.launch import RankInfo
 from llmz.zero import make_stage
 from mpirun import REPO
 
@@ -88,9 +88,10 @@ def update_once(kernel_set, rng_seed):
                 schedule="constant", final_lr_frac=1.0, total_steps=10)
     z = make_stage(0, layout, dev, LocalCommunicator(ranks), opt, init_parameters(layout, 0), seed=7)
     grads = np.random.default_rng(rng_seed).normal(size=layout.total) * 0.1
-    dev.copy_from_host(z.grads, f32_to_bf16(grads))
+    dev.copy_from_host(z.grad_store.grads, f32_to_bf16(grads))
     norm = z.update(0)
-    return dev.to_host(z.params), dev.to_host(z.master), dev.to_host(z.m), norm, dev.to_host(z.grads)
+    return (dev.to_host(z.param_store.params), dev.to_host(z.optimizer.master), dev.to_host(z.optimizer.m), norm,
+            dev.to_host(z.grad_store.grads))
 
 
 def test_zero_update_with_the_fast_kernels_gives_the_teaching_bits():

@@ -1,8 +1,10 @@
-"""Every lesson under `mpiexec -n 2` on cpu exits 0 with every checkpoint PASS; with a collective removed on
-purpose (LLMZ_LESSON_BREAK, honoured by lessons.common.apply_break) the checkpoints that measure it FAIL,
+"""Every lesson under `mpiexec -n 2` on cpu exits 0 with every checkpoint PASS, its plain stage (llmz/plain/)
+equal to llmz.zero's bit for bit, and that checkpoint holds at 1, 3 and 4 ranks too; with a collective removed
+on purpose (LLMZ_LESSON_BREAK, honoured by lessons.common.apply_break) the checkpoints that measure it FAIL,
 every rank still finishes, and the lesson exits non-zero. Run alone, a lesson about ranks says so; a bad flag
-is one line; --diff prints what a lesson changed from the lesson it builds on; the figures are readable and
-named by their settings; lessons/README.md covers every lesson."""
+is one line; --diff prints what a lesson changed from the lesson it builds on, the mechanism first, in at most
+80 lines; the figures are readable and named by their settings; lessons/README.md covers every lesson.
+(The exercises and --mine: tests/test_exercises.py.)"""
 import difflib
 import re
 import subprocess
@@ -15,17 +17,21 @@ import pytest
 from mpirun import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi
-LESSONS = {"00_one_device": 4, "01_stage0_data_parallel": 4, "02_stage1_optimizer_sharding": 4,
-           "03_stage2_gradient_sharding": 8, "04_stochastic_rounding": 5,
+LESSONS = {"00_one_device": 5, "01_stage0_data_parallel": 5, "02_stage1_optimizer_sharding": 5,
+           "03_stage2_gradient_sharding": 8, "04_stochastic_rounding": 6,
            "05_stage3_parameter_sharding": 8}
+# the checkpoint that holds each lesson's plain stage to llmz.zero's, bit for bit
+SAME_AS_PRODUCTION = {"00_one_device": 5, "01_stage0_data_parallel": 5, "02_stage1_optimizer_sharding": 5,
+                      "03_stage2_gradient_sharding": 6, "04_stochastic_rounding": 6,
+                      "05_stage3_parameter_sharding": 6}
 
 
 DRAWS = ("03_stage2_gradient_sharding", "05_stage3_parameter_sharding")      # the lessons that take --out
 
 
-def run_lesson(name: str, out, env: dict | None = None):
+def run_lesson(name: str, out, env: dict | None = None, ranks: int = 2, args: tuple = ()):
     figures = ["--out", str(out)] if name in DRAWS else []
-    return run_mpi(2, ["-m", f"lessons.{name}", "--device", "cpu", *figures], timeout=120, env=env)
+    return run_mpi(ranks, ["-m", f"lessons.{name}", "--device", "cpu", *figures, *args], timeout=300, env=env)
 
 
 def checkpoints(stdout: str) -> list[tuple[int, int, str, str]]:
@@ -44,6 +50,8 @@ def test_lesson_on_two_ranks_passes_every_checkpoint(name, tmp_path):
     assert [(i, total) for i, total, _, _ in cps] == [(i, n) for i in range(1, n + 1)], p.stdout
     assert all(v == "PASS" for *_, v in cps), p.stdout
     assert f"{n} of {n} checkpoints passed" in p.stdout
+    bits = cps[SAME_AS_PRODUCTION[name] - 1][2]
+    assert bits.startswith("the plain ") and "bit for bit" in bits, bits
     if name.startswith("03"):
         for png in ("stage2_timeline_thin_2ranks_k2.png", "memory_per_rank_thin_2ranks.png"):
             assert (tmp_path / png).stat().st_size > 10_000, png
@@ -52,11 +60,23 @@ def test_lesson_on_two_ranks_passes_every_checkpoint(name, tmp_path):
             assert (tmp_path / png).stat().st_size > 10_000, png
 
 
+@pytest.mark.parametrize("ranks, name", [(n, name) for n in (1, 3, 4) for name in
+                                         ("01_stage0_data_parallel", "02_stage1_optimizer_sharding",
+                                          "03_stage2_gradient_sharding", "05_stage3_parameter_sharding")])
+def test_the_plain_stage_is_llmz_zeros_bit_for_bit_on_1_3_and_4_ranks(ranks, name, tmp_path):
+    """The plain stage and llmz.zero's reduce through the same Communicator (a blocking collective there is the
+    non-blocking one waited for), so their MPI sums run in the same order at any N: the same bits."""
+    p = run_lesson(name, tmp_path, ranks=ranks, args=("--steps", "3"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    _, _, text, verdict = checkpoints(p.stdout)[SAME_AS_PRODUCTION[name] - 1]
+    assert verdict == "PASS" and f"equal on {ranks} of {ranks} rank" in text, text
+
+
 @pytest.mark.parametrize("name, broken, failing", [
-    ("01_stage0_data_parallel", "skip_all_reduce", (1, 2, 4)),        # losses, identical params, bytes
-    ("02_stage1_optimizer_sharding", "skip_all_gather", (1, 2, 4)),   # losses, identical params, bytes
-    ("03_stage2_gradient_sharding", "skip_all_gather", (1, 2, 5)),    # losses, identical params, bytes
-    ("05_stage3_parameter_sharding", "skip_all_gather", (1, 2, 4, 5)),  # losses, identical params, count, bytes
+    ("01_stage0_data_parallel", "skip_all_reduce", (1, 2, 4, 5)),     # losses, identical params, bytes, bits
+    ("02_stage1_optimizer_sharding", "skip_all_gather", (1, 2, 4, 5)),  # losses, identical params, bytes, bits
+    ("03_stage2_gradient_sharding", "skip_all_gather", (1, 2, 5, 6)),   # losses, identical params, bytes, bits
+    ("05_stage3_parameter_sharding", "skip_all_gather", (1, 2, 4, 5, 6)),   # and the all-gathers' count
 ])
 def test_removing_a_collective_fails_the_checkpoints_that_measure_it(name, broken, failing, tmp_path):
     p = run_lesson(name, tmp_path, env={"LLMZ_LESSON_BREAK": broken})
@@ -93,8 +113,16 @@ def test_a_lesson_on_a_missing_gpu_is_one_error_line_and_exit_2(name):
     assert len(lines) == 1 and lines[0].startswith("error: --device gpu"), p.stderr
 
 
+def file_diff(old: str, new: str) -> str:
+    before, after = ((REPO / f).read_text().splitlines(keepends=True) for f in (old, new))
+    return "".join(difflib.unified_diff(before, after, old, new))
+
+
 @pytest.mark.parametrize("name", lesson_files())
-def test_diff_shows_what_a_lesson_changed_from_the_lesson_its_docstring_builds_on(name):
+def test_diff_shows_the_mechanism_a_lesson_changed_then_its_file(name):
+    """--diff: the unified diff of the plain versions (llmz/plain/) of the lesson its docstring builds on and
+    of this one, then of the two lesson files. The mechanism's part stays within 80 lines."""
+    from lessons.common import plain_file
     text = (REPO / "lessons" / f"{name}.py").read_text()
     said = re.search(r"What changes from lesson (\d\d)", text)
     p = subprocess.run([sys.executable, "-m", f"lessons.{name}", "--diff"], cwd=REPO, capture_output=True,
@@ -102,12 +130,13 @@ def test_diff_shows_what_a_lesson_changed_from_the_lesson_its_docstring_builds_o
     assert p.returncode == 0, p.stderr
     if said is None:                                    # the first lesson, or an experiment of its own
         assert p.stdout.startswith(f"{name} builds on no earlier lesson") and p.stdout.count("\n") == 1
+        assert plain_file(name) in p.stdout
         return
     before = next(n for n in lesson_files() if n.startswith(said.group(1)))
-    old = (REPO / "lessons" / f"{before}.py").read_text().splitlines(keepends=True)
-    new = text.splitlines(keepends=True)
-    want = difflib.unified_diff(old, new, f"lessons/{before}.py", f"lessons/{name}.py")
-    assert p.stdout == "".join(want) and p.stdout.startswith(f"--- lessons/{before}.py\n"), p.stdout[:200]
+    mechanism = file_diff(plain_file(before), plain_file(name))
+    assert p.stdout == mechanism + file_diff(f"lessons/{before}.py", f"lessons/{name}.py")
+    assert p.stdout.startswith(f"--- {plain_file(before)}\n"), p.stdout[:200]
+    assert 0 < mechanism.count("\n") <= 80, mechanism
 
 
 def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints():
@@ -117,8 +146,8 @@ def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints
     assert "mpiexec -n 2 python -m lessons.01_stage0_data_parallel" in p.stdout.split("CHECKPOINT")[0]
     cps = checkpoints(p.stdout)
     trivial = [i for i, _, text, _ in cps if text.endswith("[trivial with 1 rank]")]
-    assert trivial == [1, 2, 4], p.stdout            # memory (3) is measured with one rank as well
-    assert "4 of 4 checkpoints passed (3 of them trivially" in p.stdout
+    assert trivial == [1, 2, 4], p.stdout            # memory (3) and the bits (5) hold with one rank as well
+    assert "5 of 5 checkpoints passed (3 of them trivially" in p.stdout
 
 
 def test_lesson_05_alone_says_it_means_mpiexec_marks_its_trivial_checkpoints_and_says_why_stages_grow(tmp_path):
@@ -148,10 +177,10 @@ def test_print_every_keeps_the_first_the_last_and_every_nth_step_line():
 
 LESSON_HELP = {"00_one_device": ["--device", "--kernels", "--attention", "--steps", "--model", "--batch-size",
                                  "--seq-len", "--print-every", "--diff"],
-               "04_stochastic_rounding": ["--device", "--steps", "--diff"],
+               "04_stochastic_rounding": ["--device", "--steps", "--mine", "--diff"],
                "05_stage3_parameter_sharding": ["--device", "--comm", "--kernels", "--attention", "--steps",
                                                 "--model", "--batch-size", "--seq-len", "--grad-accum",
-                                                "--print-every", "--out", "--diff"]}
+                                                "--print-every", "--out", "--mine", "--diff"]}
 
 
 @pytest.mark.parametrize("name", LESSON_HELP)

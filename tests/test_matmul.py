@@ -6,7 +6,7 @@ import pytest
 
 from helpers import NAN_BF16, finite_diff, poisoned, rand_bf16, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16
-from llmz.device import ceil_div
+from llmz.kernels.grid import ceil_div
 from llmz.kernels.matmul import (
     matmul_backward,
     matmul_backward_bias_kernel,

@@ -97,7 +97,7 @@ def trainer(kind: str, precision: str, stage: int, recompute: int, steps: int = 
     """A one-rank run of the tiny model (d2 at T=64 on a GPU, whose flash kernels need head size 64), K=2. (The
     simulator's share is the model test above: a training step there takes minutes, mostly the tiled products
     over the 256-token vocabulary.)"""
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     model, Bt, Tt = ("d2", "4", "64") if kind == "gpu" else ("tiny", "2", "8")

@@ -18,14 +18,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import llmz.files
-from llmz.checkpoint import load_model, model_config
+import llmz.run.files
 from llmz.config import preset
-from llmz.data import HEADER_BYTES, HEADER_INTS, read_tokens, token_count, write_tokens
+from llmz.data import read_tokens, token_count, write_tokens
 from llmz.errors import LlmzError, UsageError
-from llmz.launch import RankInfo
-from llmz.lock import Lock
-from llmz.state import DONE_FILE, checkpoints, latest_checkpoint, load_checkpoint, prune, read_state, step_dir
+from llmz.run.files import HEADER_BYTES, HEADER_INTS
+from llmz.run.launch import RankInfo
+from llmz.run.lock import Lock
+from llmz.run.model_file import load_model, model_config
+from llmz.run.state import (
+    DONE_FILE,
+    checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    prune,
+    read_state,
+    step_dir,
+)
 from llmz.tokenizer import read_tokenizer, write_tokenizer
 from mpirun import REPO, cpu_cores, find_mpiexec, mpiexec_command, mpiexec_version, run_mpi
 
@@ -109,7 +118,7 @@ def test_a_fifo_as_a_ranks_state_file_is_refused_without_blocking(tmp_path):
 @pytest.fixture
 def little_memory(monkeypatch):
     """The machine has 64 MiB to spare: a payload larger than that is refused before it is read."""
-    monkeypatch.setattr(llmz.files, "available_memory", lambda: 64 << 20)
+    monkeypatch.setattr(llmz.run.files, "available_memory", lambda: 64 << 20)
 
 
 def sparse(path: Path, header: np.ndarray, size: int) -> None:
@@ -184,7 +193,7 @@ def test_a_checkpoint_or_save_is_never_written_from_non_finite_values(tmp_path, 
     run = Trainer(args, "cpu", HERE)
     run.step(0)
     assert run.guards.all_finite()
-    buf = getattr(run.zero, where)
+    buf = {**run.zero.param_store.buffers(), **run.zero.optimizer.buffers()}[where]
     host = run.dev.to_host(buf).copy()
     host[len(host) // 3] = 0xFF80 if host.dtype == np.uint16 else np.nan     # bf16 -inf, or NaN
     run.dev.copy_from_host(buf, host)
@@ -212,9 +221,9 @@ def test_on_the_gpu_a_checkpoint_is_never_written_from_non_finite_values(tmp_pat
         run.step(step)
     assert run.guards.all_finite()
     assert Path(run.checkpoints.save(str(tmp_path / "ck"), 2), DONE_FILE).exists()
-    host = run.dev.to_host(run.zero.params).copy()
+    host = run.dev.to_host(run.zero.param_store.params).copy()
     host[len(host) // 2] = 0x7FC0 if host.dtype == np.uint16 else np.nan
-    run.dev.copy_from_host(run.zero.params, host)
+    run.dev.copy_from_host(run.zero.param_store.params, host)
     assert not run.guards.all_finite()
     with pytest.raises(LlmzError, match="non-finite"):
         run.checkpoints.save(str(tmp_path / "ck"), 3)
@@ -263,9 +272,9 @@ def test_a_model_wider_than_its_tokenizer_trains_saves_and_samples_among_the_tok
 
 
 def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoint(tmp_path, monkeypatch):
-    from llmz.sampling import Sampler
+    from llmz.trainer import Sampler
 
-    def broken(self, pviews):
+    def broken(self, params):
         raise RuntimeError("the sample failed")
     monkeypatch.setattr(Sampler, "text", broken)
     with pytest.raises(RuntimeError):
@@ -275,7 +284,7 @@ def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoin
     recs = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
     assert recs[-1]["event"] == "end" and not list(tmp_path.glob("*.tmp"))
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "ck"))).step == 2
-    assert not (tmp_path / "ck" / "llmz.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
+    assert not (tmp_path / "ck" / "llmz.run.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
 
 
 def test_decode_only_and_smaller_tokenizer_files_train_and_sample_without_a_prompt(tmp_path, capsys):
@@ -394,7 +403,7 @@ def test_a_checkpoint_folder_or_log_in_use_is_refused_and_a_stale_lock_is_taken_
         tmp_path, capsys, what):
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
     os.makedirs(ck)
-    path = ck / "llmz.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
+    path = ck / "llmz.run.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
     flags = ["--steps", 1, "--checkpoint-dir", ck, "--log", log]
     live = Lock(str(path), "it")
     assert live.acquire() is None                                   # a live owner: this very process
@@ -420,7 +429,7 @@ def test_two_train_commands_on_one_checkpoint_folder_the_second_is_refused(tmp_p
                               str(ck)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
-        while not (ck / "llmz.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
+        while not (ck / "llmz.run.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
             time.sleep(0.1)
         p = run_cli("-m", "llmz.train", *TINY, "--steps", "2", "--checkpoint-dir", ck)
         assert p.returncode == 2 and "is in use by another run" in p.stderr, p.stderr
@@ -536,12 +545,12 @@ def test_resume_with_a_data_file_rewritten_under_its_name_is_refused_naming_both
 
 # ---- the same file under another name; a --log that is not a log; another run's checkpoint -------------------
 def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
-    from llmz.files import JsonLog
+    from llmz.run.files import JsonLog
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
     os.makedirs(ck)
     live = JsonLog(str(log))                     # what a live run holds: its log open (and locked) ...
     live.write({"event": "start"})
-    lock = Lock(str(ck / "llmz.lock"), "it")     # ... and its folder's lock
+    lock = Lock(str(ck / "llmz.run.lock"), "it")     # ... and its folder's lock
     lock.acquire()
     os.symlink(log, tmp_path / "alias.jsonl")
     os.link(log, tmp_path / "hard.jsonl")
@@ -660,7 +669,7 @@ def test_any_bytes_of_a_prompt_encode_and_a_lone_surrogate_or_too_many_tokens_ar
 
 
 def test_names_that_fit_the_filesystem_work_and_names_that_cannot_are_refused_at_start(tmp_path):
-    from llmz.files import name_limits
+    from llmz.run.files import name_limits
     name_max, path_max = name_limits(str(tmp_path))
     fits = "m" * (name_max - 4) + ".bin"                        # the longest name: its temporary name is cut
     train_here("--steps", 1, "--save", tmp_path / fits, "--log", tmp_path / (fits[:-4] + ".log"),
@@ -677,7 +686,7 @@ def test_names_that_fit_the_filesystem_work_and_names_that_cannot_are_refused_at
 
 
 def test_a_lock_left_by_a_zombie_is_taken_over_at_once(tmp_path, capsys):
-    from llmz.lock import process_state
+    from llmz.run.environment import process_state
     dead = subprocess.Popen([sys.executable, "-c", "pass"])      # exits; not reaped: a zombie holds its pid
     while process_state(dead.pid)[0] != "Z":
         time.sleep(0.01)
@@ -699,7 +708,7 @@ def test_sigterm_and_sighup_end_a_run_in_one_line_with_the_step_and_the_last_che
     assert f"last checkpoint {latest_checkpoint(str(ck))}; log {log}" in p.stderr
     # nohup: an ignored SIGHUP stays ignored
     code = ("import signal, os; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "from llmz.launch import abort_on_error\nwith abort_on_error():\n    os.kill(os.getpid(), signal.SIGHUP)\n"
+            "from llmz.run.launch import abort_on_error\nwith abort_on_error():\n    os.kill(os.getpid(), signal.SIGHUP)\n"
             "print('still here')")
     assert run_cli("-c", code).stdout == "still here\n"
 
@@ -719,7 +728,7 @@ def test_mpi_refuses_to_start_under_a_file_size_limit_it_cannot_work_with_in_one
 
 
 def test_a_checkpoint_folder_written_again_drops_what_a_killed_writer_left(tmp_path):
-    from llmz.state import prepare_step_dir
+    from llmz.run.state import prepare_step_dir
     folder = tmp_path / "step_000020"
     folder.mkdir()
     for name in ("DONE", "state_rank0.bin", "state_rank1.bin.4f3iiiwp.tmp", "model.bin.x1y2z3w4.tmp", "state_rank3.bin"):

@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import llmz.checkpoint
-import llmz.data
-import llmz.state
-from llmz.checkpoint import load_model, save_model
+import llmz.run.files
+import llmz.run.model_file
+import llmz.run.state
 from llmz.config import GPT2Config
 from llmz.errors import LlmzError
-from llmz.launch import RankInfo
 from llmz.layout import Layout, init_parameters
-from llmz.state import checkpoints, latest_checkpoint, load_checkpoint, state_path, step_dir
+from llmz.run.launch import RankInfo
+from llmz.run.model_file import load_model, save_model
+from llmz.run.state import checkpoints, latest_checkpoint, load_checkpoint, state_path, step_dir
 from mpirun import REPO, run_mpi, start_mpi
 
 # C=15 (odd) and maxT=9: buckets of odd size, so their padding differs between 1, 2 and 4 ranks and
@@ -63,7 +63,7 @@ def sample_text(stdout: str) -> str:
 def full(ckpt_folder, name: str) -> np.ndarray:
     """Array `name` of a checkpoint, whole, in the 1-rank layout (for comparing runs of any world size)."""
     ck = load_checkpoint(str(ckpt_folder))
-    return ck.assemble(name, llmz.state.full_ranges(Layout(ck.config, 1)))
+    return ck.assemble(name, llmz.run.state.full_ranges(Layout(ck.config, 1)))
 
 
 # ---- bit-identical resume ----------------------------------------------------------------------------------
@@ -91,8 +91,8 @@ def test_resume_on_the_same_ranks_is_bit_identical_to_the_straight_run(tmp_path,
     assert sample_text(a.stdout) == sample_text(b.stdout)       # the RNG state came back too
     # every rank's final parameters (full precision), m and v: bit for bit
     for r in range(2):
-        sa = llmz.state.read_state(state_path(step_dir(tmp_path / "a", 2 * S), r))
-        sb = llmz.state.read_state(state_path(step_dir(tmp_path / "b", 2 * S), r))
+        sa = llmz.run.state.read_state(state_path(step_dir(tmp_path / "a", 2 * S), r))
+        sb = llmz.run.state.read_state(state_path(step_dir(tmp_path / "b", 2 * S), r))
         for name in ("params", "m", "v"):
             assert sa.arrays[name].dtype == np.dtype("<f8" if precision == "fp64" else "<f4")
             assert np.array_equal(sa.arrays[name], sb.arrays[name]), (r, name)
@@ -152,7 +152,7 @@ def test_resume_across_world_sizes_and_stages_matches_the_straight_run(tmp_path,
 def test_reassembling_any_world_size_gives_back_the_same_buffers(tmp_path, rng):
     """Checkpoint.assemble on synthetic slices: 3 ranks' slices -> full buffers and shards for 1, 2, 4 ranks,
     padding zero, every real element where it belongs."""
-    from llmz.state import Checkpoint, TrainingState, full_ranges, shard_table
+    from llmz.run.state import Checkpoint, TrainingState, full_ranges, shard_table
     saved = Layout(CFG, 3)
     truth = {k: rng.normal(size=Layout(CFG, 1).total) for k in ("params", "m", "v")}
     one = Layout(CFG, 1)
@@ -239,7 +239,7 @@ def test_kill_9_of_one_rank_ends_the_others_and_keeps_the_last_complete_checkpoi
         if f.name == "model.bin":
             load_model(str(f))
         elif f.name.startswith("state_rank") and f.name.endswith(".bin"):
-            llmz.state.read_state(str(f))
+            llmz.run.state.read_state(str(f))
         else:
             assert f.name == "DONE" or f.name.endswith(".tmp"), f
 
@@ -262,7 +262,7 @@ def train_here(args) -> dict:
 def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_partial_file(
         tmp_path, monkeypatch, which):
     ck = tmp_path / "ck"
-    real_part, real_write_state = llmz.data._write_part, llmz.state.write_state
+    real_part, real_write_state = llmz.run.files._write_part, llmz.run.state.write_state
     armed = []
 
     def disk_full_halfway(f, part):
@@ -282,10 +282,10 @@ def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_pa
             armed.append(1)
         return real_write_state(path, meta, arrays)
 
-    real_save_model = llmz.checkpoint.save_model
-    monkeypatch.setattr(llmz.data, "_write_part", disk_full_halfway)
-    monkeypatch.setattr(llmz.checkpoint, "save_model", save_model_then_arm)
-    monkeypatch.setattr(llmz.state, "write_state", write_state_then_arm)
+    real_save_model = llmz.run.model_file.save_model
+    monkeypatch.setattr(llmz.run.files, "_write_part", disk_full_halfway)
+    monkeypatch.setattr(llmz.run.model_file, "save_model", save_model_then_arm)
+    monkeypatch.setattr(llmz.run.state, "write_state", write_state_then_arm)
     with pytest.raises(LlmzError, match="No space left on device") as e:
         train_here(in_process_args(tmp_path, "--steps", "6", "--checkpoint-dir", str(ck),
                                    "--checkpoint-every", "2"))
@@ -363,8 +363,8 @@ def test_resume_refuses_another_model_and_both_resume_and_init_from(tmp_path):
 
 
 def test_a_configuration_that_cannot_fit_is_refused_with_predicted_and_available_bytes():
-    from llmz.guards import GPU_RESERVE_BYTES, check_fits
     from llmz.memory import predicted
+    from llmz.run.guards import GPU_RESERVE_BYTES, check_fits
     pred = predicted(Layout(GPT2Config(), 1), 0, 16, 1024, 4)          # d12, B=16, T=1024, fp32
     need = sum(pred.values())
     check_fits(pred, free=need + GPU_RESERVE_BYTES, total=140 << 30)   # exactly enough: accepted

@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from llmz.checkpoint import TRAINED_SEQ_LEN_SLOT, load_model, model_header, save_model
 from llmz.config import preset
 from llmz.layout import Layout, init_parameters
+from llmz.run.model_file import TRAINED_SEQ_LEN_SLOT, load_model, model_header, save_model
 from llmz.sample import UNKNOWN_WINDOW_MAX, window
 from mpirun import REPO
 

@@ -1,9 +1,9 @@
-"""One BLAS thread pool per rank (llmz/threads.py): N ranks on a host share its cores, max(1, cores // N)
+"""One BLAS thread pool per rank (llmz/run/threads.py): N ranks on a host share its cores, max(1, cores // N)
 threads each, a size set in the environment is kept, and train's start line says what each rank got."""
 import pytest
 from threadpoolctl import threadpool_limits
 
-from llmz import threads
+from llmz.run import threads
 from mpirun import cpu_cores, run_mpi
 
 

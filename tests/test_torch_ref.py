@@ -1,11 +1,11 @@
-"""llmz.torch_ref, the PyTorch eager GPT-2 the benchmark compares against, at tiny sizes on the CPU.
-Skipped without torch (CI has none); importing llmz.torch_ref above the skip checks it needs no torch."""
+"""llmz.bench.torch_ref, the PyTorch eager GPT-2 the benchmark compares against, at tiny sizes on the CPU.
+Skipped without torch (CI has none); importing llmz.bench.torch_ref above the skip checks it needs no torch."""
 import math
 
 import pytest
 
+from llmz.bench.torch_ref import torch_bench
 from llmz.config import preset
-from llmz.torch_ref import torch_bench
 
 pytest.importorskip("torch")
 

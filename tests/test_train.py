@@ -86,10 +86,10 @@ def test_print_every_shows_every_nth_step_the_first_the_last_and_each_validated_
 
 
 def test_a_zero_stage_on_one_rank_says_in_one_line_what_it_costs_there():
-    from llmz.config import preset
+    from llmz.config import fmt_bytes, preset
     from llmz.layout import Layout
-    from llmz.memory import fmt_bytes, predicted
-    from llmz.runlog import zero_on_one_rank
+    from llmz.memory import predicted
+    from llmz.run.log import zero_on_one_rank
     lay = Layout(preset("small"), 1)
     total = {s: sum(predicted(lay, s, 16, 64, 4).values()) for s in range(4)}
     assert zero_on_one_rank(lay, 0, 4) is None and zero_on_one_rank(Layout(preset("small"), 2), 2, 4) is None

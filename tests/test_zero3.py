@@ -113,7 +113,7 @@ def test_bf16_stage3_is_stage2_bit_for_bit(tmp_path):
 
 # ---- one rank, in this process -----------------------------------------------------------------------------
 def make_run(stage: int, *extra: str, precision: str = "fp64"):
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     args, kind = parse_args(["--device", "cpu", "--precision", precision, "--model", "tiny", "-b", "2", "-t", "8",
@@ -129,14 +129,13 @@ def test_one_rank_stage3_equals_stage2_bit_for_bit(precision):
     losses = [[r.step(s)["loss"] for s in range(3)] for r in runs]
     assert losses[0] == losses[1]
     assert np.array_equal(runs[0].host_params(), runs[1].host_params())
-    assert not hasattr(runs[1].zero, "params")          # no full parameter buffer at stage 3
+    assert not hasattr(runs[1].zero.param_store, "params")     # no full parameter buffer at stage 3
 
 
 def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_order():
     run = make_run(3)
     z = run.zero
     store = z.param_store                               # the parameter store: what the model's p.bucket(b) asks
-    assert z.pviews is store
     asked = []
     real = store.bucket
 
@@ -147,7 +146,7 @@ def test_the_model_asks_for_each_block_just_in_time_and_stage3_gathers_in_that_o
     # a forward-only pass (validation, sampling): every block once, in order, the next one gathered ahead
     run.next_batch(run.train_loader)
     z.all_gathers.clear()
-    run.model.forward(z.pviews, run.x, run.y)
+    run.model.forward(z.param_store, run.x, run.y)
     assert asked == [0, 1, 2, 3]
     assert z.all_gathers == ["block0", "block1"] and store.prefetched is None
     # a training micro-step: forward, then backward from block L-1 down, each block gathered again
@@ -167,7 +166,7 @@ def test_stage3_parameter_path_makes_no_event_and_allocates_nothing_after_start_
     real = run.dev.event
     monkeypatch.setattr(run.dev, "event", lambda *a, **k: made.append(1) or real(*a, **k))
     before = dict(run.zero.allocated)
-    run.model.forward(run.zero.pviews, run.x, run.y)
+    run.model.forward(run.zero.param_store, run.x, run.y)
     run.zero.gather_parameters()
     assert made == [] and run.zero.allocated == before
 
@@ -179,26 +178,27 @@ def test_each_stage_keeps_the_buffers_its_row_of_the_table_names(stage):
     from llmz.comm import Communicator
     from llmz.config import preset
     from llmz.device import Device
-    from llmz.launch import RankInfo
     from llmz.layout import Layout, init_parameters
     from llmz.optim import AdamW
+    from llmz.run.launch import RankInfo
     from llmz.zero import make_stage
     lay = Layout(preset("tiny", vocab_size=256), 2)
     start = init_parameters(lay, 0)
     z = make_stage(stage, lay, Device("cpu", np.float64), Communicator(RankInfo(1, 2, 1, 2, "here")), AdamW(), start)
     whole, mine = lay.total, lay.shard_total
-    kept = {name: getattr(z, name).size for name in ("params", "param_shard", "grads", "grad_shard", "m", "v")
-            if hasattr(z, name)}
+    kept = {name: a.size for part in (z.param_store, z.grad_store, z.optimizer)
+            for name, a in part.buffers().items() if name != "master"}
     params = {"params": whole} if stage < 3 else {"param_shard": mine}
     grads = {"grads": whole} if stage < 2 else {"grad_shard": mine}
     assert kept == {**params, **grads, "m": whole if stage == 0 else mine, "v": whole if stage == 0 else mine}
-    assert z.master is None                             # fp64: no master copy
+    assert z.optimizer.master is None                   # fp64: no master copy
     # the parameters start as the host's: all of them, or my slice of every bucket
     if stage < 3:
-        assert np.array_equal(z.params, start)
+        assert np.array_equal(z.param_store.params, start)
     else:
-        assert np.array_equal(z.param_shard, np.concatenate([start[b.offset + b.shard_size:b.offset + b.padded_size]
-                                                             for b in lay.buckets]))
+        assert np.array_equal(z.param_store.param_shard,
+                              np.concatenate([start[b.offset + b.shard_size:b.offset + b.padded_size]
+                                              for b in lay.buckets]))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -279,7 +279,7 @@ def test_timeline_shows_every_block_gather_but_the_first_issued_ahead(tmp_path, 
 def test_all_gather_from_a_slice_kept_elsewhere(rng):
     from llmz.comm import Communicator, LocalCommunicator
     from llmz.device import Device
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     x = rng.standard_normal(6)
     one = LocalCommunicator(RankInfo(0, 1, 0, 1, "here"), Device("cpu", np.float64))
     buf = np.full(6, np.nan)
@@ -302,14 +302,14 @@ def test_train_runs_stage_3_with_its_memory_report_samples_and_checkpoints(tmp_p
     assert p.returncode == 0, p.stderr
     start = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert start["memory"]["stage"] == 3 and start["memory"]["predicted"] == start["memory"]["measured"]
-    from llmz.state import load_checkpoint
+    from llmz.run.state import load_checkpoint
     assert load_checkpoint(str(tmp_path / "ck" / "step_000002")).meta["zero_stage"] == 3
 
 
 def test_bf16_stage3_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
     """The bf16 parameters are rebuilt from the saved fp32 master with the rounding draws of the saved step, then
     sharded: a resumed stage-3 run repeats the straight one bit for bit."""
-    from llmz.launch import RankInfo
+    from llmz.run.launch import RankInfo
     from llmz.train import parse_args
     from llmz.trainer import train
 

@@ -12,7 +12,7 @@ def main() -> int:
     out, argv = sys.argv[1], sys.argv[2:]
     from llmz.train import parse_args
     args, kind = parse_args(argv)
-    from llmz.launch import abort_on_error, init_ranks
+    from llmz.run.launch import abort_on_error, init_ranks
     ranks = init_ranks()
     with abort_on_error(ranks):
         from llmz.trainer import Trainer

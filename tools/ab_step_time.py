@@ -23,7 +23,10 @@ import numpy as np
 
 
 def step_ms(tree: str, launch: list[str], flags: list[str], log: str) -> np.ndarray:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    # the tree first, then whatever PYTHONPATH held (the GPU machine's carried wheels: numpy < 2.5, which
+    # numba-cuda needs; without them the older tree met NumPy 2.5 and failed on np.row_stack)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (os.path.abspath(tree),
+                                                                    os.environ.get("PYTHONPATH"))))}
     cmd = [*launch, sys.executable, "-m", "llmz.train", *flags, "--log", os.path.abspath(log)]
     # run inside the tree: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH, so
     # started from a checkout both runs would import that checkout's llmz

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmz import watchdog
+from llmz.run import watchdog
 from llmz.train import main
 
 entered: dict[int, tuple[float, str, int | None]] = {}
@@ -46,7 +46,7 @@ def report(rank: int) -> str:
 if __name__ == "__main__":
     watchdog.Watch.begin, watchdog.Watch.finished = timed_begin, timed_finished
     code = main(sys.argv[1:])
-    from llmz.launch import _mpi_rank_and_size
+    from llmz.run.launch import _mpi_rank_and_size
     time.sleep(0.2 * watchdog.POLL_S / 0.05)      # the NCCL thread's last poll
     print(report(_mpi_rank_and_size()[0]), file=sys.stderr, flush=True)
     sys.exit(code)

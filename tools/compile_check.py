@@ -167,8 +167,8 @@ def dev_signatures(bf16: bool) -> dict:
         "dev.encoder:encoder_backward_wpe_units_kernel": (A(v), A(v), i64, i64, i64),
     }
     for C in WIDTHS:
-        sigs[f"dev.layernorm:forward_kernel@{C}"] = flat_fwd + (types.none, types.none)
-        sigs[f"dev.layernorm:forward_kernel@{C}#residual"] = flat_fwd + (A(v), A(v))
+        sigs[f"dev.layernorm:forward_kernel@{C}"] = flat_fwd + (A(v), A(v))
+        sigs[f"dev.layernorm:forward_kernel@{C},1#residual"] = flat_fwd + (A(v), A(v))
         sigs[f"dev.layernorm:backward_kernel@{C}"] = (A(v), A(f32), A(v), A(v), A(v), A(f32), A(f32))
     if bf16:
         sigs.update({

@@ -198,7 +198,7 @@ def check_edges(fast):
 # ---- (c) speed ---------------------------------------------------------------------------------------
 def time_ms(dev, fn, reps=10):
     """Milliseconds a call (CUDA events around `reps` calls queued while the GPU waits), after one warm-up."""
-    from llmz.bench_layers import time_ms as events_ms
+    from llmz.bench.layers import time_ms as events_ms
     fn()
     return events_ms(dev, fn, reps)
 

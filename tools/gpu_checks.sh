@@ -162,7 +162,7 @@ if [[ $what == multi ]]; then
 fi
 if [[ $what == verify ]]; then
   # the library redesign, ZeRO as parts, flash from device functions, the watchdog, --recompute: their GPU
-  # tests, the graphed stage-2 probe, then the step's speed against the tree before them (within 2%: issue 27)
+  # tests, the graphed stage-2 probe, then the step's speed against the tree before them (within 2%)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   run timeout 330 $py -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_graph.py tests/test_kernel_sets.py \
     tests/test_reliability.py tests/test_zero.py tests/test_zero3.py tests/test_watchdog.py tests/test_comm.py \
@@ -174,7 +174,7 @@ if [[ $what == verify ]]; then
   run timeout 60 $py -m llmz.bench --precision bf16 2>&1 | grep -v Warn | tail -4
 fi
 if [[ $what == verify-speed ]]; then
-  # the numbers issue 26 asks for, each pair in one invocation: d12 and d48 bf16 beside torch.compile, with and
+  # the speed and memory figures of BENCHMARKS.md, each pair in one invocation: d12 and d48 bf16 beside torch.compile, with and
   # without --recompute 2 (its memory against torch.compile's), and fp32 d12 beside eager with and without
   # --recompute 3 (the gemm path's (T, T) softmax recomputed: its memory against eager's)
   for r in 0 2; do

@@ -55,7 +55,7 @@ def patch(variant: str) -> None:
 
 
 def losses(flags: list[str], steps: int) -> tuple[list[float], str]:
-    from llmz.launch import init_ranks
+    from llmz.run.launch import init_ranks
     from llmz.train import parse_args
     from llmz.trainer import Trainer
     args, kind = parse_args(flags)

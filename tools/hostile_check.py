@@ -60,16 +60,17 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from llmz.checkpoint import MODEL_MAGIC, load_model
 from llmz.config import GPT2Config, preset
-from llmz.data import HEADER_BYTES, TOKENS_MAGIC, write_tokens
+from llmz.data import TOKENS_MAGIC, write_tokens
 from llmz.errors import LlmzError
-from llmz.files import JsonLog
-from llmz.launch import rank_pids
-from llmz.lock import Lock, process_state
-from llmz.state import latest_checkpoint, load_checkpoint, read_state, write_state
+from llmz.run.environment import process_state
+from llmz.run.files import HEADER_BYTES, JsonLog
+from llmz.run.launch import rank_pids
+from llmz.run.lock import Lock
+from llmz.run.model_file import MODEL_MAGIC, load_model
+from llmz.run.state import latest_checkpoint, load_checkpoint, read_state, write_state
+from llmz.run.watchdog import TIMEOUT_EXIT
 from llmz.tokenizer import TOKENIZER_MAGIC, write_tokenizer
-from llmz.watchdog import TIMEOUT_EXIT
 
 SHIPPED_VAL = REPO / "data" / "shakespeare_val.bin"
 SHIPPED_BYTE_TOKENIZER = REPO / "data" / "byte_tokenizer.bin"
@@ -145,7 +146,7 @@ runpy.run_module("llmz.train", run_name="__main__", alter_sys=True)
 # llmz.train as every rank runs it, but rank STOP (the first argument) stops itself (SIGSTOP) as it starts, before
 # its MPI library is loaded (a stop 0.4 s after launch, made exact), or, with "mpi", just before MPI_Init
 STOP_AT_START = """import os, runpy, signal, sys
-from llmz import launch
+from llmz.run import launch
 rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 stop, where = sys.argv.pop(1).split(":")
 if rank == int(stop) and where == "start":
@@ -364,7 +365,7 @@ def stale_lock(rel: str):
                 break
             except PermissionError:
                 pid += 1
-        # llmz.lock's record, with a pid no process has (no start tick to compare)
+        # llmz.run.lock's record, with a pid no process has (no start tick to compare)
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": time.time(),
                                          "tick": None}) + "\n")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmz import comm
 from llmz.config import TrainConfig
-from llmz.launch import init_ranks
+from llmz.run.launch import init_ranks
 
 inside = [0.0]          # seconds inside the collectives' calls since the last reset
 

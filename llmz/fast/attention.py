@@ -26,9 +26,9 @@ import numba
 import numpy as np
 from numba import cuda
 
-from ..device import ceil_div
 from ..kernels import attention as teaching
 from ..kernels.attention import attention_softmax_backward_kernel, attention_softmax_kernel
+from ..kernels.grid import ceil_div
 from .device_helpers import load_pair, loads_barrier, pair_view, store_pair, warp_max_sum, warp_row, warp_sum
 from .gemm import Heads, gemm_heads
 

@@ -23,8 +23,8 @@ import numba
 import numpy as np
 from numba import cuda
 
-from ..device import ceil_div
 from ..kernels.bf16 import load, store_add
+from ..kernels.grid import ceil_div
 from .device_helpers import address, bounded_jit, load_pair, pair_view
 
 # columns per stage-1 block: one warp reads 32 consecutive columns of a row

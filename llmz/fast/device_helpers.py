@@ -20,8 +20,8 @@ from numba import config, cuda, types
 from numba.cuda.extending import overload
 
 from ..bf16 import M16, M32
-from ..device import ceil_div
 from ..kernels.bf16 import S16, bf16_to_f32_dev, f32_bits, round_nearest_bits
+from ..kernels.grid import ceil_div
 
 WARP = 32                   # threads per warp
 FULL_MASK = 0xFFFFFFFF      # every lane of the warp takes part in a shuffle

@@ -21,10 +21,10 @@ every batch), U distinct tokens:
 import numpy as np
 from numba import cuda
 
-from ..device import ceil_div
 from ..kernels import encoder as teaching
 from ..kernels.bf16 import load, store_add
 from ..kernels.encoder import encoder_backward_wpe_kernel
+from ..kernels.grid import ceil_div
 
 
 @cuda.jit

@@ -48,8 +48,8 @@ import numba
 import numpy as np
 from numba import config, cuda
 
-from ..device import ceil_div
 from ..kernels import flash_attention as teaching
+from ..kernels.grid import ceil_div
 from .device_helpers import pair_view
 from .mma import (
     cp_async4,

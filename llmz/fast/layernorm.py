@@ -24,8 +24,8 @@ import numpy as np
 from numba import cuda, types
 from numba.cuda.extending import overload
 
-from ..device import ceil_div
 from ..kernels.bf16 import load, store, store_add
+from ..kernels.grid import ceil_div
 from ..kernels.layernorm import LN_EPS
 from .column_sum import (
     COLSUM_STRIP,

@@ -16,8 +16,8 @@ float64 like the tiled kernel, TF32 ~1e-3).
 """
 from numba import cuda
 
-from ..device import ceil_div
 from ..kernels.bf16 import load, store
+from ..kernels.grid import ceil_div
 from ..kernels.matmul import backward_products
 from .column_sum import column_sum
 from .device_helpers import pair_view, pairs_apply

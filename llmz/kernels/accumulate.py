@@ -19,8 +19,8 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import M32, bf16_to_f32, f32_to_bf16, f32_to_bf16_stochastic
-from ..device import ceil_div
 from .bf16 import bf16_to_f32_dev, hash_args, round_bf16
+from .grid import ceil_div
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store, store_add
 from .fill import zero
+from .grid import ceil_div
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ..bf16 import (
     f32_to_bf16,
     f32_to_bf16_stochastic,
 )
-from ..device import ceil_div
+from .grid import ceil_div
 
 MODES = ("nearest", "stochastic")
 S15 = np.uint64(15)

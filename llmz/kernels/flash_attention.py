@@ -27,8 +27,8 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store
+from .grid import ceil_div
 
 BLOCK = 16              # rows of a tile, queries and keys alike (one thread per row)
 HS_MAX = 64             # the head size the shared tiles hold (GPT-2's, at every size from d2 on)

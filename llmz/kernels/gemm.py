@@ -14,8 +14,8 @@ from numba import cuda, types
 from numba.cuda.extending import overload
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store
+from .grid import ceil_div
 
 TILE = 16   # the tiled kernel's blocks are TILE x TILE threads; each block computes one TILE x TILE tile of c
 

@@ -24,8 +24,8 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store, store_add
+from .grid import ceil_div
 from .norm import MAX_BLOCK, block_total
 
 LN_EPS = 1e-5

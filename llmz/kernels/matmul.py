@@ -15,9 +15,9 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import is_bf16, run_in_f32
-from ..device import ceil_div
 from .bf16 import load, store, store_add
 from .gemm import gemm
+from .grid import ceil_div
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------

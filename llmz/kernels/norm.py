@@ -20,8 +20,8 @@ import numpy as np
 from numba import cuda
 
 from ..bf16 import bf16_to_f32, is_bf16
-from ..device import ceil_div
 from .bf16 import load
+from .grid import ceil_div
 
 # blocks in pass 1 on the GPU; scratch must hold at least this many float64 (the simulator uses fewer:
 # at most dev.block_size blocks)

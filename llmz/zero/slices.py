@@ -1,6 +1,6 @@
 """The stretches of the flat buffer a rank holds, on the host: what it starts from and what a checkpoint saves
-and loads back (llmz.state). Every rank saves slice r of every bucket whatever its stage, so another world size
-or another stage can re-shard the files (llmz.state.Checkpoint.assemble)."""
+and loads back (llmz.run.state). Every rank saves slice r of every bucket whatever its stage, so another world size
+or another stage can re-shard the files (llmz.run.state.Checkpoint.assemble)."""
 from __future__ import annotations
 
 import numpy as np
@@ -43,7 +43,7 @@ def state_slices(optimizer, params_host: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def load_optimizer_state(optimizer, m_owned: np.ndarray, v_owned: np.ndarray) -> None:
-    """Set m and v from host arrays laid out as optimizer.owned_ranges() (llmz.state.Checkpoint.assemble)."""
+    """Set m and v from host arrays laid out as optimizer.owned_ranges() (llmz.run.state.Checkpoint.assemble)."""
     assert m_owned.shape == optimizer.m.shape and v_owned.shape == optimizer.v.shape, \
         (m_owned.shape, optimizer.m.shape)
     optimizer.ctx.dev.copy_from_host(optimizer.m, m_owned)

@@ -1,7 +1,8 @@
 """One ZeRO stage put together from its three parts (the table in llmz/zero/__init__.py), and the training step
 they make. What llmz.trainer, the lessons and the tests call, with z = make_stage(...):
 
-    each micro-step  model.forward(z.pviews, x); model.backward(z.pviews, z, x, y, dloss); z.backward_done()
+    each micro-step  model.forward(z.param_store, x); model.backward(z.param_store, z, x, y, dloss);
+                     z.backward_done()
     after the last   z.update(step)  =  z.set_scalars(step); z.optimize(); z.grad_norm()
 
 optimize() runs on the device only, with no host synchronisation and no allocation (a CUDA graph captures it,
@@ -38,12 +39,6 @@ class ZeroStage:
         self.param_store = param_store(self.ctx, sharded, start_values(params_host, bf16, seed, start_step))
         self.optimizer = ShardedAdamW(self.ctx, opt, sharded, params_host)
         self.grad_store = grad_store(self.ctx, sharded)
-        self.pviews = self.param_store                  # the parameter store the model asks p.bucket(b)
-        # the parts' buffers under their own names, for the code that reads them (llmz.guards' finite check,
-        # the tests): z.params or z.param_shard, z.grads or z.grad_shard, z.master (None in fp32), z.m, z.v
-        for part in (self.param_store, self.grad_store, self.optimizer):
-            for name, buf in part.buffers().items():
-                setattr(self, name, buf)
 
     # ---- the gradient store backward writes into (llmz.model) ----------------------------------------------
     def bucket(self, b: int) -> dict:
@@ -113,7 +108,14 @@ class ZeroStage:
         """Stage 3: the buckets gathered so far, in order (clear() it to count afresh)."""
         return self.param_store.all_gathers
 
-    # ---- the host side: checkpoints (llmz.state), the memory report (llmz.memory) -----------------------------
+    def state_arrays(self) -> list:
+        """The device arrays of this rank's training state: the parameters it keeps (all of them, or at stage 3
+        its slice), then the optimizer's fp32 master copy (bf16 only), m and v (llmz.run.guards checks they are
+        all finite before anything is saved)."""
+        kept = [*self.param_store.buffers().values(), *self.optimizer.buffers().values()]
+        return [a for a in kept if a is not None]
+
+    # ---- the host side: checkpoints (llmz.run.state), the memory report (llmz.memory) -----------------------------
     def full_parameters(self) -> np.ndarray:
         """Every parameter on the host, in the run's dtype (bf16: the uint16 bits). Stage 3 gathers them: call
         it on every rank."""

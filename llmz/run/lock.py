@@ -7,7 +7,7 @@ two runs on one --log interleave their lines. So rank 0 of a run holds
                            included, reaches this one file)
     FILE.jsonl.lock        for --log FILE.jsonl, beside the file the name resolves to (symlinks followed,
                            so `alias.jsonl -> FILE.jsonl` and `DIR/./FILE.jsonl` share it); and while the
-                           log is open, a lock on the log file itself (flock, llmz.files.JsonLog), which a
+                           log is open, a lock on the log file itself (flock, llmz.run.files.JsonLog), which a
                            hard link or any other name reaches too
 
 from the start to the end of training: one JSON line with the owner's pid, host, start time and, on Linux,
@@ -24,32 +24,9 @@ import os
 import socket
 import time
 
-from .errors import LlmzError, UsageError
+from ..errors import LlmzError, UsageError
+from .environment import process_state
 from .files import check_log, check_not_written, fit_name, loads_json
-
-
-def process_state(pid: int | None) -> tuple[str | None, int | None]:
-    """(state, start tick) of a process of this host: the state letter of /proc/PID/stat (R running, S
-    sleeping, D in the kernel, T stopped, Z zombie: dead, not yet reaped by its parent) and its start time in
-    clock ticks since boot (field 22: a pid reused by another process has another). (None, None): there is
-    no such process. ("?", None): it exists, but there is no /proc to read (not Linux)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return None, None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except FileNotFoundError:
-        return None, None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None, None
-    except PermissionError:
-        pass                                    # it exists, under another user
-    return "?", None
 
 
 def _alive(owner: dict) -> bool:
@@ -159,7 +136,7 @@ def take_locks(args, locks: list) -> list[str]:
     notes = []
     wanted = []
     if args.checkpoint_dir:
-        wanted.append((os.path.join(args.checkpoint_dir, "llmz.lock"), f"checkpoint folder {args.checkpoint_dir}"))
+        wanted.append((os.path.join(args.checkpoint_dir, "llmz.run.lock"), f"checkpoint folder {args.checkpoint_dir}"))
     if args.log:
         wanted.append((fit_name(os.path.realpath(args.log), ".lock"), f"log {args.log}"))
     try:

@@ -7,6 +7,11 @@ regular files (os.stat before opening, fstat after: a name swapped in between is
 means even that open cannot block), reads the header, compares the size its header announces with the size
 from fstat, and only then reads the payload, no more than announced, with `read_array` / `read_bytes`,
 which first check that it fits in the memory available. Every error is one LlmzError naming the file.
+llm.c's files open with a header of 256 int32, the first a magic number: `read_header`, `check_header`
+(which names the file passed instead, by its magic) and `check_size` read and check it.
+
+Every file llmz writes goes through `atomic_write`: the bytes go to a temporary name in the same folder,
+which replaces the final name only once complete, so a crash never leaves a half-written file behind.
 
 Writing: `prepare_output` runs at start for every output a command line names (--save, --log, --trace,
 --checkpoint-dir): it creates the parent folders, as tools of this kind do, and refuses a folder, a device,
@@ -22,18 +27,18 @@ import fcntl
 import json
 import os
 import stat
+import tempfile
 import zlib
+from collections.abc import Sequence
 
-from .errors import LlmzError
+import numpy as np
+
+from ..config import fmt_bytes
+from ..errors import LlmzError
 
 # what each kind of non-regular file is called in an error line
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
-
-
-def fmt_bytes(n: float) -> str:
-    from .memory import fmt_bytes
-    return fmt_bytes(n)
 
 
 def _must_be_regular(path: str, st: os.stat_result, what: str) -> None:
@@ -110,7 +115,6 @@ def read_array(f, dtype, count: int, path: str, what: str, hasher=None):
     """`count` values of `dtype` from the file's position, into a new NumPy array, read in place. hasher (a
     hashlib object): updated with the bytes as they come, each HASH_CHUNK piece hashed by a thread while the
     next is read (hashlib lets go of the GIL), so that the digest costs about what the slower of the two costs."""
-    import numpy as np
     dtype = np.dtype(dtype)
     nbytes = count * dtype.itemsize
     check_memory(nbytes, f"{path}: reading this {what}")
@@ -156,10 +160,52 @@ def loads_json(text):
                                    0) from None
 
 
+# ---- llm.c's headers: 256 int32, the first a magic number -------------------------------------------------
+HEADER_INTS = 256                 # every llm.c header is 256 x 4 bytes
+HEADER_BYTES = 4 * HEADER_INTS
+# Magic numbers of llm.c's files, to tell a user which file they passed instead of the right one.
+KNOWN_MAGICS = {20240326: "an llm.c model file", 20240328: "an llm.c tokenizer file",
+                20240520: "an llm.c token file", 20240527: "an llm.c training-state file",
+                20261203: "an llmz training-state file"}
+
+
+def read_header(path: str, what: str):
+    """Open a regular file and read its header -> (open file positioned after the header, header bytes,
+    file size from fstat). A file shorter than the header gives the bytes it has (check_header refuses it)."""
+    f, size = open_regular(path, what)
+    try:
+        raw = read_bytes(f, min(size, HEADER_BYTES), path, what)
+    except BaseException:
+        f.close()
+        raise
+    return f, raw, size
+
+
+def check_header(path: str, raw: bytes, magic: int, what: str, dtype: str = "<i4") -> np.ndarray:
+    """The 256-entry header of `raw`, after checking the file is long enough and the magic number."""
+    if len(raw) < HEADER_BYTES:
+        raise LlmzError(f"{path}: truncated: {len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype=dtype, count=HEADER_INTS)
+    if int(header[0]) != magic:
+        found = int(header[0])
+        hint = f"this is {KNOWN_MAGICS[found]}" if found in KNOWN_MAGICS else f"not {what}"
+        raise LlmzError(f"{path}: bad magic {found} (expected {magic}; {hint})")
+    return header
+
+
+def check_size(path: str, actual: int, expected: int, detail: str) -> None:
+    """One line for a file whose size does not match what its header promises."""
+    if actual < expected:
+        raise LlmzError(f"{path}: truncated: {actual} bytes, {detail} needs {expected}")
+    if actual > expected:
+        raise LlmzError(f"{path}: wrong size: {actual} bytes, {detail} needs {expected} "
+                        f"({actual - expected} extra bytes)")
+
+
 # ---- names: what the filesystem allows ------------------------------------------------------------------------
 TMP_SUFFIX = ".tmp"
-TMP_TAIL = len(".XXXXXXXX" + TMP_SUFFIX)    # what data.atomic_write's temporary name adds to a name
-# the longest path llmz writes inside a --checkpoint-dir (llmz.state: a step folder, a rank's state, its
+TMP_TAIL = len(".XXXXXXXX" + TMP_SUFFIX)    # what atomic_write's temporary name adds to a name
+# the longest path llmz writes inside a --checkpoint-dir (llmz.run.state: a step folder, a rank's state, its
 # temporary name), with room for a billion steps and ten thousand ranks
 CHECKPOINT_ENTRY = os.path.join("step_000000000", "state_rank0000.bin.XXXXXXXX.tmp")
 
@@ -223,6 +269,42 @@ def check_name(path: str, flag: str, inside: str = "") -> None:
     if longest >= path_max:          # PATH_MAX counts the terminating zero byte
         raise LlmzError(f"{flag}: the path {full[:40]}... is too long: the files llmz writes there would have "
                         f"paths of {longest} bytes; this system allows {path_max - 1}")
+
+
+# ---- writing a whole file ----------------------------------------------------------------------------------
+def _write_part(f, part) -> None:
+    """Write one piece (bytes or a contiguous array) to an open binary file."""
+    f.write(memoryview(np.ascontiguousarray(part)).cast("B") if isinstance(part, np.ndarray) else part)
+
+
+def atomic_write(path: str, parts: Sequence) -> None:
+    """Write `parts` (bytes / arrays, in order) to `path` through a temporary file and os.replace.
+    A failure leaves any previous file at `path` untouched and removes the temporary file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    # NAME.XXXXXXXX.tmp, NAME cut short where the whole would not fit the folder's NAME_MAX
+    prefix = cut_name(os.path.basename(path), name_limits(folder)[0] - TMP_TAIL) + "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=folder)
+    except OSError as e:
+        raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)   # mkstemp's file is private (0600): give it the usual mode
+            for part in parts:
+                _write_part(f, part)
+            f.flush()
+            os.fsync(f.fileno())        # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise LlmzError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
@@ -369,7 +451,7 @@ class JsonLog:
     end records, and a torn last line. `dropped` counts them. The file is locked (flock) while it is open:
     a second run that names it otherwise (a symlink, a hard link) is refused, and nothing is truncated or
     trimmed before the lock is held. run_id: the resuming run's; a log whose last start record names another
-    run is not this run's to trim (llmz.state.check_run_identity refused it at start): refused here too."""
+    run is not this run's to trim (llmz.run.state.check_run_identity refused it at start): refused here too."""
 
     def __init__(self, path: str, resume_step: int | None = None, run_id: str | None = None):
         self.path, self.dropped, self.run_id = path, 0, run_id
@@ -387,7 +469,6 @@ class JsonLog:
             raise LlmzError(f"{path}: cannot write the log ({e.strerror or e})") from None
 
     def _drop_after(self, step: int) -> int:
-        from .data import atomic_write
         with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
         keep, theirs = [], None

@@ -7,7 +7,7 @@
     forget       a checkpoint of parameters a later check found bad loses its DONE (--resume skips it)
     save_model   --save: the llm.c model file
 
-The files are llmz.state's (training state) and llmz.checkpoint's (llm.c model files).
+The files are llmz.run.state's (training state) and llmz.run.model_file's (llm.c model files).
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import os
 
 import numpy as np
 
-from . import checkpoint, state
-from .config import GPT2Config, TrainConfig, default_model, preset
-from .data import DIGEST, SHOWN
-from .errors import LlmzError
-from .launch import AgreedError
-from .layout import Layout, init_parameters
+from ..config import GPT2Config, TrainConfig, default_model, preset
+from ..data import DIGEST, SHOWN
+from ..errors import AgreedError, LlmzError
+from ..layout import Layout, init_parameters
+from . import model_file, state
 
 # the settings that shape the training trajectory: saved in every checkpoint, compared on resume
 RESUME_FLAGS = ("precision", "zero_stage", "batch_size", "seq_len", "grad_accum", "steps", "lr",
@@ -33,7 +32,7 @@ def resume_flags(cfg: TrainConfig) -> dict:
 
 
 def find(cfg: TrainConfig, ranks, notes: list[str]):
-    """The checkpoint --resume names (a llmz.state.Checkpoint: every rank reads every state file, and the
+    """The checkpoint --resume names (a llmz.run.state.Checkpoint: every rank reads every state file, and the
     ranks agree on the outcome), or None."""
     if not cfg.resume:
         return None
@@ -58,7 +57,7 @@ def start(cfg: TrainConfig, kind: str, tok, world_size: int,
         layout = Layout(config, world_size)
         params = resumed.assemble("params", state.full_ranges(layout))
     elif cfg.init_from:
-        config, llmc = checkpoint.load_model(cfg.init_from)
+        config, llmc = model_file.load_model(cfg.init_from)
         layout = Layout(config, world_size)
         params = layout.from_llmc(llmc, np.float64)
     else:
@@ -156,11 +155,11 @@ class Checkpoints:
         run.comm.barrier()                    # the folder exists and holds no stale DONE
         host = run.host_params()
         if self.rank == 0:
-            checkpoint.save_model(os.path.join(folder, state.MODEL_FILE), run.config, host, run.layout,
+            model_file.save_model(os.path.join(folder, state.MODEL_FILE), run.model.config, host, run.layout,
                                   dtype=run.precision.model_file, seq_len=cfg.seq_len)
         meta = {"step": step, "world_size": self.world_size, "rank": self.rank,
                 "zero_stage": cfg.zero_stage, "precision": cfg.precision,
-                "config": run.config.to_dict(), "flags": resume_flags(cfg),
+                "config": run.model.config.to_dict(), "flags": resume_flags(cfg),
                 "data": run.train_loader.state(), "rng": run.sampler.rng.bit_generator.state,
                 "buckets": state.shard_table(run.layout, self.rank), "run_id": run.run_id,
                 "data_files": run.data}
@@ -180,7 +179,7 @@ class Checkpoints:
         run.guards.refuse_non_finite(step, f"--save {path}", self.last)
         host = run.host_params()
         if self.rank == 0:
-            checkpoint.save_model(path, run.config, host, run.layout, dtype=run.precision.model_file,
+            model_file.save_model(path, run.model.config, host, run.layout, dtype=run.precision.model_file,
                                   seq_len=self.cfg.seq_len)
 
     def forget(self, step: int) -> str:

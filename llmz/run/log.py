@@ -1,5 +1,5 @@
 """What a training run says: its lines on rank 0's stdout and, with --log FILE.jsonl, one JSON object a line
-(flushed line by line; a new run starts the file, a resumed run continues it, llmz.files.JsonLog):
+(flushed line by line; a new run starts the file, a resumed run continues it, llmz.run.files.JsonLog):
 
     {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from",
      "data", "notes"}
@@ -17,9 +17,10 @@ changed under its name and --resume-other-data). MFU is llm.c's: 6 * parameters 
 """
 from __future__ import annotations
 
+from ..config import fmt_bytes
+from ..memory import table
 from . import threads
 from .files import JsonLog
-from .memory import fmt_bytes, table
 from .progress import Progress, fmt_duration
 
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
@@ -44,7 +45,9 @@ def flash_fallback(dev, config) -> str | None:
     saying the teaching kernels run it (hundreds of times slower) and what is faster; None otherwise."""
     if dev.kernel_set != "fast" or dev.attention != "flash" or dev.precision.name != "bf16":
         return None
-    from .fast.flash_attention import fallback_note  # numba: only once the device has loaded it (llmz.device)
+    from ..fast.flash_attention import (
+        fallback_note,  # numba: only once the device has loaded it (llmz.device)
+    )
     return fallback_note(config.channels // config.num_heads)
 
 
@@ -92,7 +95,7 @@ class RunLog:
 
     def begin(self, notes: list[str]) -> None:
         """The run's first lines (device, model, batch, memory, notes) and the log's start record."""
-        run, cfg, ranks, c, d = self.run, self.cfg, self.ranks, self.run.config, self.run.dev
+        run, cfg, ranks, c, d = self.run, self.cfg, self.ranks, self.run.model.config, self.run.dev
         self.say(f"llmz: {d.kind} {cfg.precision}, {d.describe()}, {ranks.world_size} rank(s), comm "
                  f"{run.comm.name}, ZeRO stage {cfg.zero_stage}; {threads.note(ranks.local_size)}")
         self.say(f"model: L={c.num_layers} NH={c.num_heads} C={c.channels} V={c.vocab_size} "
@@ -136,7 +139,7 @@ class RunLog:
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
         tps = run.tokens_per_step / seconds
-        util = mfu(tps, run.config, cfg.seq_len, run.dev, cfg.precision)
+        util = mfu(tps, run.model.config, cfg.seq_len, run.dev, cfg.precision)
         rec = {"step": step, "loss": loss, "lr": run.opt.lr_at(step), "grad_norm": norm, "ms": seconds * 1e3,
                "tokens_per_s": tps, "elapsed_s": self.progress.elapsed, "eta_s": self.progress.eta}
         if util is not None:

@@ -7,7 +7,7 @@ with half the tokens: README). So each rank gets max(1, cores // ranks on this h
 the size of the pools of the BLAS and OpenMP libraries already loaded (llmz.train imports NumPy before it
 knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment is kept.
 
-llmz.launch.init_ranks calls share_cores once the ranks are known; note() is the start line's words for it.
+llmz.run.launch.init_ranks calls share_cores once the ranks are known; note() is the start line's words for it.
 """
 from __future__ import annotations
 

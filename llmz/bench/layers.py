@@ -10,11 +10,22 @@ come out at tiny sizes, a smoke test (its times mean nothing); on cpu only the r
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 
-from .kernels import adamw, attention, classifier, encoder, flash_attention, gelu, layernorm, matmul, residual
+from ..kernels import (
+    adamw,
+    attention,
+    classifier,
+    encoder,
+    flash_attention,
+    gelu,
+    layernorm,
+    matmul,
+    residual,
+)
 
 LAYERS = ("encoder", "layernorm", "matmul", "attention", "flash", "gelu", "residual", "classifier", "adamw",
           "norm", "accumulate")
@@ -323,7 +334,7 @@ def make_case(layer: str, cfg, B: int, T: int, rng) -> Case:
 def to_device(dev, case: Case, dtype):
     """The case's arrays on dev: values in dtype (bf16: uint16 bits), statistics and losses float32 beside bf16
     (as llmz.model keeps them), AdamW's master, m, v float32, the norm's and scalars float64; ints as int32."""
-    from .bf16 import f32_to_bf16
+    from ..bf16 import f32_to_bf16
     bf16 = np.dtype(dtype) == np.uint16
     d = {}
     for name, a in case.arrays.items():
@@ -343,9 +354,22 @@ def to_device(dev, case: Case, dtype):
 
 
 def to_host64(dev, a) -> np.ndarray:
-    from .bf16 import bf16_to_f32
+    from ..bf16 import bf16_to_f32
     a = dev.to_host(a)
     return (bf16_to_f32(a) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
+@functools.cache
+def hold_kernel():
+    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call); built on
+    first use, as numba may only be imported once the device kind is settled (llmz.device)."""
+    from numba import cuda
+
+    @cuda.jit
+    def hold(ms):
+        for _ in range(ms):
+            cuda.nanosleep(1000000)
+    return hold
 
 
 def time_ms(dev, call, reps: int) -> float:
@@ -359,7 +383,6 @@ def time_ms(dev, call, reps: int) -> float:
         return (time.perf_counter() - t0) * 1e3
     import cupy
 
-    from .bench import hold_kernel
     e0, e1 = dev.event(timing=True), dev.event(timing=True)
     dev.launch(hold_kernel(), 1, 1, HOLD_MS)
     e0.record(dev.compute_stream)
@@ -396,7 +419,7 @@ def run_passes(version: str, dev, k, d: dict, case: Case, refs: dict, reps: int)
 
 def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32: bool, seed: int = 0) -> list:
     """The rows of one layer: (version, pass, kernels, error, us per call, rate text) for teaching and fast."""
-    from .device import Device
+    from ..device import Device
     case = make_case(layer, cfg, B, T, np.random.default_rng(seed))
     rows, refs = [], None
     for version in ("teaching", "fast"):
@@ -415,7 +438,7 @@ def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32
                 host["params"] = host["master"]
             refs = {name: reference(host) for name, _, _, reference, _, _ in case.passes}
         if layer == "encoder" and dev.fast:
-            from .fast.encoder import wte_buckets_upload
+            from ..fast.encoder import wte_buckets_upload
             d["buckets"] = wte_buckets_upload(dev, case.ints["inp"])
         rows += run_passes(version, dev, dev.ops, d, case, refs, reps)
     return rows
@@ -423,8 +446,8 @@ def run_layer(layer: str, cfg, B: int, T: int, kind: str, dtype, reps: int, tf32
 
 def main(args, kind: str) -> int:
     """The --layer mode of python -m llmz.bench: print each layer's rows."""
-    from .config import preset
-    from .precision import PRECISIONS
+    from ..config import preset
+    from ..precision import PRECISIONS
     layers = LAYERS if args.layer == "all" else tuple(args.layer.split(","))
     for layer in layers:
         if layer not in LAYERS:

@@ -6,27 +6,28 @@ tokens/s, MFU and the GPU memory held. With no flags: on a GPU, GPT-2 124M (d12)
 benchmarks it; on a CPU, the model of llmz.train's default run (small) at its B=16, T=64, about 10 s on 2
 cores. `--per-kernel` adds a table of every kernel's time, `--vs-torch` the same step in PyTorch, `--layer`
 times one layer instead of the step (`--help` says each).
+
+The package: this file is the command and the step's timing; layers.py times one layer's teaching and fast
+versions (--layer), torch_ref.py the same step in PyTorch (--vs-torch).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
+from ..args import Parser, check_bench, check_kernels, check_train
+from ..config import RECOMPUTE, ZERO_STAGES, TrainConfig, describe_presets, preset
+from ..data import write_tokens
+from ..device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
+from ..precision import PRECISIONS
+from ..run.launch import abort_on_error, init_ranks
+from ..run.log import mfu
 from . import torch_ref
-from .args import Parser, check_bench, check_kernels, check_train
-from .config import RECOMPUTE, TrainConfig, describe_presets, preset
-from .data import write_tokens
-from .device import ATTENTIONS, KERNEL_SETS, KINDS, MATMULS, resolve
-from .launch import abort_on_error, init_ranks
-from .precision import PRECISIONS
-from .runlog import mfu
 
 # the card's ceilings for the per-kernel table: HBM bandwidth, dense tensor-core throughput
 CEILINGS = {"H200": {"GB/s": 4800.0, "fp32": 494.7, "bf16": 989.4},
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
       "instead of replaying the step as a CUDA graph")
     a("--recompute", "-r", type=int, choices=RECOMPUTE, default=0, help="as in llmz.train: 1 recomputes GELU "
       "in backward, 2 also the layernorms, 3 also attention's softmax (less activation memory, the same numbers)")
-    a("--zero-stage", type=int, choices=(0, 1, 2, 3), nargs="+", default=[0], metavar="STAGE",
+    a("--zero-stage", type=int, choices=ZERO_STAGES, nargs="+", default=[0], metavar="STAGE",
       help="ZeRO stage(s); several (e.g. 0 1 2 3) are timed one after another in this process, one row each")
     a("--warmup", type=int, default=None, help="untimed steps first: compilation, CUDA graph capture, caches "
       "(default: 3; 1 on sim)")
@@ -74,12 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
       "card's ceilings (GPU only)")
     a("--vs-torch", nargs="?", const="eager", default=None, choices=("eager", "compile", "both"),
       help="after llmz, a nanoGPT-style PyTorch GPT-2 of the same shapes, precision and optimizer "
-      "(llmz.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
+      "(llmz.bench.torch_ref: SDPA, fused AdamW, autocast bf16), eager (the default), torch.compile'd, or both: its "
       "ms, tokens/s, peak memory and the ratio (default: not run)")
     a("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
       help="PyTorch's attention: scaled_dot_product_attention (nanoGPT) or the explicit softmax")
     a("--layer", default=None, metavar="NAME", help="instead of the step, one layer's teaching and fast "
-      "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench_layers): error against "
+      "versions side by side at the model's sizes (llm.c's dev/cuda role: llmz.bench.layers): error against "
       "the NumPy reference, us per call, GB/s or TFLOP/s. NAME: encoder, layernorm, matmul, attention, flash, "
       "gelu, residual, classifier, adamw, norm, accumulate, a comma-separated list, or all (default: the step)")
     a("--reps", type=int, default=20, help="--layer: timed calls per version and pass")
@@ -98,7 +99,7 @@ def fill_defaults(args, kind: str) -> None:
 
 def make_run(args, kind: str, data_path: str, stage: int):
     """An llmz.trainer.Trainer of `args` at ZeRO `stage`, training on the token file at data_path."""
-    from .trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
+    from ..trainer import Trainer  # numba loads here, after the device is resolved (the simulator)
     cfg = TrainConfig(device=kind, precision=args.precision, kernels=args.kernels, matmul=args.matmul,
                       attention=args.attention, no_tf32=args.no_tf32, no_cuda_graph=args.no_cuda_graph,
                       zero_stage=stage, model=args.model, vocab_size=args.vocab_size, train_data=data_path,
@@ -113,50 +114,55 @@ def gpu_name(dev) -> str:
     return dev.xp.cuda.runtime.getDeviceProperties(dev.gpu_index)["name"].decode() if dev.kind == "gpu" else ""
 
 
-HOLD_MS = 1500          # longer than the host takes to queue an eager micro-step (~0.1-0.3 s at d12)
+PACE_EVERY = 48        # --per-kernel: a hold kernel before every 48th timed region ...
+PACE_MS = 40           # ... sleeping longer than the host takes to queue them (~5 ms) and their events
 
 
-@functools.cache
-def hold_kernel():
-    """A kernel for one thread that sleeps ~ms milliseconds (nanosleep takes at most ~1 ms a call); built on
-    first use, as numba may only be imported once the device kind is settled (llmz.device)."""
-    from numba import cuda
+class Pacer:
+    """Keeps the GPU behind the host while every kernel is timed between two events: before every PACE_EVERY-th
+    timed region, an untimed kernel that sleeps PACE_MS while the host queues the next regions. A pair of events
+    around a kernel the GPU reaches before the host has launched it counts the launch (30-600 us), not the
+    kernel; one hold before a whole micro-step is not enough at d48 (~1,700 kernels and twice as many events
+    fill CUDA's launch queue, the host then waits for the GPU and falls behind: that table summed to 285 ms
+    against a 215 ms graphed step). `late`: the holds after which the host took longer than PACE_MS to queue
+    the next regions (the GPU may then have waited for it): 0, or the table is not the GPU's alone."""
 
-    @cuda.jit
-    def hold(ms):
-        for _ in range(ms):
-            cuda.nanosleep(1000000)
-    return hold
+    def __init__(self, dev):
+        self.dev, self.n, self.holds, self.late, self.t = dev, 0, 0, 0, None
+
+    def __call__(self):
+        if self.n % PACE_EVERY == 0:
+            now = time.perf_counter()
+            if self.t is not None and (now - self.t) * 1e3 > 0.9 * PACE_MS:
+                self.late += 1
+            dev = self.dev
+            profile, dev.profile = dev.profile, None
+            from .layers import hold_kernel  # numba: the device is resolved by now
+            dev.launch(hold_kernel(), 1, 1, PACE_MS)
+            dev.profile = profile
+            self.holds += 1
+            self.t = time.perf_counter()
+        self.n += 1
 
 
-def per_kernel(run, step: int, precision: str) -> str:
+def per_kernel(run, step: int, precision: str, graphed_ms: float | None = None) -> str:
     """One eager step with a CUDA event pair around every kernel and cuBLAS call: the table as text. (Events
-    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) A pair would also count
-    any time the GPU waits for a slow Python launch (an eager bf16 step is paced by the host: measured, its
-    small kernels read 10x their time), so the GPU first sleeps while the host queues the whole micro-step,
-    and again while it queues the update: the pairs then time the GPU's work alone."""
+    cannot be timed inside a replayed graph: CUDA refuses it, measured on the H200.) The Pacer keeps the GPU
+    behind the host, so the pairs time the GPU's work alone; the table's sum is then compared with the graphed
+    step (graphed_ms): within a few percent when the method holds (the graph adds ~1 us a launch between
+    kernels and nothing else)."""
     import cupy
     dev = run.dev
     dev.synchronize()
     enabled, run.graphs.enabled = run.graphs.enabled, False
-    micro_step, optimize = run.micro_step, run.zero.optimize
-
-    def held(fn):
-        def call():
-            profile, dev.profile = dev.profile, None
-            dev.launch(hold_kernel(), 1, 1, HOLD_MS)        # untimed: the GPU waits, the host runs ahead
-            dev.profile = profile
-            fn()
-        return call
-    run.micro_step, run.zero.optimize = held(micro_step), held(optimize)
-    dev.profile = []
+    pacer = Pacer(dev)
+    dev.profile, dev.profile_pace = [], pacer
     try:
         run.step(step)
         dev.synchronize()
         records = [(r, cupy.cuda.get_elapsed_time(r[1].cupy, r[2].cupy)) for r in dev.profile]
     finally:
-        dev.profile, run.graphs.enabled = None, enabled
-        run.micro_step, run.zero.optimize = micro_step, optimize
+        dev.profile, dev.profile_pace, run.graphs.enabled = None, None, enabled
     rows: dict[str, list] = {}
     for (name, _, _, flops, nbytes), ms in records:
         r = rows.setdefault(name, [0, 0.0, 0, 0])
@@ -166,7 +172,9 @@ def per_kernel(run, step: int, precision: str) -> str:
         r[3] += nbytes
     total = sum(r[1] for r in rows.values())
     ceil = next((v for k, v in CEILINGS.items() if k in gpu_name(dev)), None)
-    lines = [f"per kernel, one eager step ({len(records)} launches; sum {total:.1f} ms):",
+    against = (f"; {100 * total / graphed_ms:.1f}% of the graphed step's {graphed_ms:.2f} ms" if graphed_ms else "")
+    lines = [f"per kernel, one eager step ({len(records)} launches behind {pacer.holds} holds, {pacer.late} "
+             f"late; sum {total:.2f} ms{against}):",
              f"  {'kernel':<36}{'calls':>6}{'ms/step':>10}{'share':>8}{'achieved':>14}{'of ceiling':>12}"]
     for name, (calls, ms, flops, nbytes) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
         if flops:
@@ -216,7 +224,8 @@ def bench_stage(args, kind: str, cfg, path: str, stage: int) -> dict:
     print(f"  memory, --recompute {args.recompute}: predicted {run.memory['predicted_total'] / 2**30:.2f} GiB "
           f"(llmz.memory){held}")
     if args.per_kernel:
-        print(per_kernel(run, args.warmup + args.steps, args.precision) if dev.kind == "gpu"
+        print(per_kernel(run, args.warmup + args.steps, args.precision, ms if run.graphs.enabled else None)
+              if dev.kind == "gpu"
               else "per kernel: needs a GPU (CUDA events)")
     run.comm.close()
     del run
@@ -239,8 +248,8 @@ def bench(args) -> int:
     check_kernels(args, kind)
     fill_defaults(args, kind)
     if args.layer:
-        from . import bench_layers  # it imports the kernels, so numba: after the device is resolved
-        return bench_layers.main(args, kind)
+        from . import layers  # it imports the kernels, so numba: after the device is resolved
+        return layers.main(args, kind)
     cfg = preset(args.model, vocab_size=args.vocab_size)
     B, T = args.batch_size, args.seq_len
     rows = []
@@ -273,6 +282,3 @@ def bench(args) -> int:
             print(f"  llmz / PyTorch {mode} = {tps / r['tokens_per_s']:.3f}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,13 +42,23 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .checkpoint import load_model
-from .config import GPT2Config
-from .data import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_header
-from .errors import LlmzError, UsageError, before_any_work
-from .files import TMP_SUFFIX, loads_json, read_array, read_bytes
+from ..config import ZERO_STAGES, GPT2Config
+from ..errors import LlmzError, UsageError, before_any_work
+from ..layout import Layout
+from .files import (
+    HEADER_BYTES,
+    HEADER_INTS,
+    TMP_SUFFIX,
+    atomic_write,
+    check_header,
+    check_size,
+    loads_json,
+    read_array,
+    read_bytes,
+    read_header,
+)
 from .launch import agree, allgather
-from .layout import Layout
+from .model_file import load_model
 
 STATE_MAGIC = 20261203
 STATE_VERSION = 1
@@ -119,7 +129,7 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
             bad(f"{key} is {meta.get(key)!r}, not an integer >= 0")
     if meta["world_size"] < 1 or meta["rank"] >= meta["world_size"]:
         bad(f"rank {meta['rank']} of world size {meta['world_size']}")
-    if meta["zero_stage"] not in (0, 1, 2, 3):
+    if meta["zero_stage"] not in ZERO_STAGES:
         bad(f"ZeRO stage {meta['zero_stage']}")
     if meta.get("precision") not in DTYPES:
         bad(f"precision {meta.get('precision')!r} (expected one of {', '.join(DTYPES)})")
@@ -382,7 +392,7 @@ def load_checkpoint(path: str) -> Checkpoint:
 
 
 def load_checkpoint_agreed(path: str, ranks) -> Checkpoint:
-    """load_checkpoint on every rank (each reads every file), the outcome agreed (llmz.launch.agree): a
+    """load_checkpoint on every rank (each reads every file), the outcome agreed (llmz.run.launch.agree): a
     checkpoint found wrong alike on every rank is one line from rank 0, not one per rank; a refusal at
     start, exit status 2."""
     def load():

@@ -1,6 +1,6 @@
 """What keeps a run from wasting work or losing it, checked where it can first be known (beside the locks,
-the run's identity and the data agreement of llmz.lock, llmz.state and llmz.data, taken at start, and the
-collective watchdog of llmz.watchdog):
+the run's identity and the data agreement of llmz.run.lock, llmz.run.state and llmz.data, taken at start, and the
+collective watchdog of llmz.run.watchdog):
 
   memory       before the big allocations, a configuration the GPU cannot hold is refused in one line
   divergence   after every step, a non-finite loss or gradient norm, or a loss above --max-loss (default
@@ -14,11 +14,9 @@ import math
 
 import numpy as np
 
-from .config import TrainConfig
-from .errors import LlmzError
-from .kernels.norm import NORM_BLOCKS
-from .launch import AgreedError
-from .memory import fmt_bytes
+from ..config import TrainConfig, fmt_bytes
+from ..errors import AgreedError, LlmzError
+from ..kernels.norm import NORM_BLOCKS
 
 # what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
 GPU_RESERVE_BYTES = 1 << 30
@@ -65,9 +63,7 @@ class Guards:
         beyond 1e154 counts as non-finite: such a model has diverged anyway), summed over the ranks (m and v
         are sharded), read once."""
         z = self.zero
-        params = z.param_shard if z.stage == 3 else z.params       # stage 3: my slice; else all of them
-        arrays = [a for a in (params, z.master, z.m, z.v) if a is not None]
-        for i, x in enumerate(arrays):
+        for i, x in enumerate(z.state_arrays()):
             self.dev.ops.norm_squared(self.dev, self.finite_sq, x, self.finite_scratch, accumulate=i > 0)
         z.comm_waits_for_compute()
         self.comm.all_reduce(self.finite_sq, op="sum")

@@ -10,7 +10,7 @@ launcher kills the rest. The start-up (the check of the flags, the locks) runs a
 under `agree`: every rank checks, the outcome is gathered, and a refusal anywhere ends every rank with one
 line from rank 0 and the same exit status, no abort needed.
 
-Every collective between ranks, the start-up's too, has a deadline (llmz.watchdog): a rank that stops
+Every collective between ranks, the start-up's too, has a deadline (llmz.run.watchdog): a rank that stops
 is named by the others, not waited for. SIGTERM and SIGHUP end a run as Ctrl-C does: one line, saying where.
 
 Before the ranks meet. MPI's start-up (MPI_Init) waits for every rank, and until it completes no collective,
@@ -20,7 +20,7 @@ no MPI_Abort, can tell one rank about another. So:
     (`rank R: error: ...`; once, without the rank, where every rank of the job fails alike) and ends the job
     itself (`cannot_start`): under MPICH's Hydra through the launcher's PMI socket ("cmd=abort", what
     MPI_Abort sends), under Open MPI by its non-zero exit, which makes mpirun end the job;
-  - MPI_Init runs under the collective deadline (llmz.watchdog.StartupWatch): a rank of this host that ends
+  - MPI_Init runs under the collective deadline (llmz.run.watchdog.StartupWatch): a rank of this host that ends
     before the ranks met is named at once, one that stops (or hangs) before or inside MPI_Init once it has
     made no progress for --collective-timeout; ranks on other hosts cannot be seen before MPI is up, and are
     named as such at the deadline;
@@ -44,10 +44,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from llmz.environment import lone_rank_line
-from llmz.errors import INTERRUPTED_EXIT, LlmzError
-from llmz.threads import share_cores
-from llmz.watchdog import StartupWatch, Watch, abort_job, pmi_abort, say_line
+from llmz.errors import INTERRUPTED_EXIT, AgreedError, LlmzError
+from llmz.run.environment import lone_rank_line
+from llmz.run.threads import share_cores
+from llmz.run.watchdog import StartupWatch, Watch, abort_job, pmi_abort, say_line
 
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
@@ -67,7 +67,7 @@ class RankInfo:
     local_rank: int     # index of this rank among the ranks on the same host; also its GPU index
     local_size: int     # ranks on this host
     hostname: str
-    watch: Watch | None = field(default=None, compare=False, repr=False)   # the collectives' deadline
+    watch: Watch = field(default_factory=Watch, compare=False, repr=False)   # the collectives' deadline
 
     @property
     def gpu_index(self) -> int:
@@ -118,12 +118,12 @@ def _mpi_too_small(limit: int | None) -> bool:
 
 def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     """Rank, world size and local rank from MPI; rank 0 of 1 when mpi4py is missing and no launcher ran us.
-    collective_timeout: the deadline of the start-up's collectives (llmz.watchdog; None: its default)."""
+    collective_timeout: the deadline of the start-up's collectives (llmz.run.watchdog; None: its default)."""
     n = _launcher_world_size()
     limit = file_size_limit()
     if _mpi_too_small(limit):
         if n > 1:
-            from .files import fmt_bytes
+            from ..config import fmt_bytes
             cannot_start(LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up "
                                    f"writes shared-memory files of several MiB and dies under it; raise it (ulimit "
                                    f"-f unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)"),
@@ -316,7 +316,7 @@ def allgather(ranks: RankInfo, obj) -> list:
     """Every rank's obj (picklable), by rank, on every rank; under the collective watchdog."""
     if ranks.world_size == 1:
         return [obj]
-    if ranks.watch is not None:
+    if ranks.watch.world is not None:
         return ranks.watch.allgather_object(obj)
     from mpi4py import MPI
     return MPI.COMM_WORLD.allgather(obj)
@@ -328,15 +328,6 @@ def _mpi_rank_and_size() -> tuple[int, int]:
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return _launcher_rank(), 1
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
-
-
-class AgreedError(LlmzError):
-    """An error raised on every rank alike, after `agree`: rank 0 prints it once and every rank exits with
-    its status; no rank waits for another, so no MPI_Abort is needed."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def agree(ranks: RankInfo, fn, same=None):

@@ -1,4 +1,4 @@
-"""python -m llmz.torch_ref: a PyTorch GPT-2, the yardstick `python -m llmz.bench --vs-torch [compile]` uses.
+"""python -m llmz.bench.torch_ref: a PyTorch GPT-2, the yardstick `python -m llmz.bench --vs-torch [compile]` uses.
 
 The model of llm.c's train_gpt2.py / nanoGPT at the shapes of an llmz GPT2Config, trained on one fixed
 batch of random tokens: AdamW (fused where torch has it), gradient clipping to 1.0; eager, or with the loss
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from .config import GPT2Config, preset
+from ..config import GPT2Config, preset
 
 PRECISIONS = ("fp32", "bf16")
 ATTENTIONS = ("sdpa", "manual")
@@ -146,7 +146,7 @@ def torch_bench(config: GPT2Config, B: int, T: int, precision: str, steps: int, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmz.torch_ref", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m llmz.bench.torch_ref", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="d12")
     p.add_argument("--vocab-size", type=int, default=None, help="V (default: the preset's, as in llmz.bench)")
     p.add_argument("-b", "--batch-size", type=int, default=4)
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as e:
         if e.name != "torch":
             raise
-        print("python -m llmz.torch_ref needs PyTorch: pip install torch", file=sys.stderr)
+        print("python -m llmz.bench.torch_ref needs PyTorch: pip install torch", file=sys.stderr)
         return 2
     peak = f"peak {r['peak_bytes'] / 2**30:.2f} GiB" if r["peak_bytes"] is not None else "peak n/a on cpu"
     mode = "compiled" if args.compile else "eager"

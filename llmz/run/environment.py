@@ -5,6 +5,9 @@ environment not activated, its mpiexec called by path) died in a traceback per r
 llmz/__init__.py installs `explain_missing_modules` when a command starts, before the command's own imports:
 a missing module then ends the job with one line from rank 0, naming the Python, the launcher's folder and
 the fix. This module imports nothing beyond the standard library, so it runs where nothing else is installed.
+
+`process_state` reads what /proc says of a process of this host (running, stopped, dead; when it started): the
+locks ask it whether their owner still runs (llmz.run.lock), the watchdog whether a peer rank does (llmz.run.watchdog).
 """
 from __future__ import annotations
 
@@ -78,3 +81,28 @@ def mpi_library(library_version: str) -> str:
     """'MPICH 5.0.2' or 'Open MPI v4.1.5' from MPI.Get_library_version()'s text."""
     first = (library_version.strip().splitlines() or ["?"])[0]
     return " ".join(first.split(",")[0].replace("Version:", "").split())
+
+
+# ---- a process of this host, from /proc ------------------------------------------------------------------
+def process_state(pid: int | None) -> tuple[str | None, int | None]:
+    """(state, start tick) of a process of this host: the state letter of /proc/PID/stat (R running, S
+    sleeping, D in the kernel, T stopped, Z zombie: dead, not yet reaped by its parent) and its start time in
+    clock ticks since boot (field 22: a pid reused by another process has another). (None, None): there is
+    no such process. ("?", None): it exists, but there is no /proc to read (not Linux)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None, None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None, None
+    except PermissionError:
+        pass                                    # it exists, under another user
+    return "?", None

@@ -58,9 +58,9 @@ import time
 
 import numpy as np
 
-from .lock import process_state
+from ..config import DEFAULT_TIMEOUT_S
+from .environment import process_state
 
-DEFAULT_TIMEOUT_S = 600.0     # PyTorch's default for NCCL (torch.distributed, 10 minutes)
 # the shortest deadline that means something: it must outlast the watchdog's own look at the other ranks (their
 # boards read SURVEY_S apart; at start-up, their progress read every PROGRESS_S) and the pauses a scheduler
 # gives a rank on a busy host (the longest wait of a healthy 2-rank CPU run under load: 1.0 s, BENCHMARKS.md).
@@ -109,7 +109,7 @@ class Watch:
     the board. `Watch()` alone (one process) only counts. The training loop sets `step`."""
 
     def __init__(self, world=None, timeout: float | None = None, local: dict[int, int] | None = None):
-        """local: {rank: pid} of this host's ranks as the start-up saw them (llmz.launch.local_ranks): watched
+        """local: {rank: pid} of this host's ranks as the start-up saw them (llmz.run.launch.local_ranks): watched
         for life from the first collective on, before the ranks have told each other where they run."""
         self.timeout = timeout or DEFAULT_TIMEOUT_S
         self.seq = 0                  # collectives this rank has entered
@@ -238,7 +238,7 @@ class Watch:
             why = (f"{', '.join(late)} did not arrive" if late else
                    "the ranks that did not arrive cannot be told yet (MPI's start-up)")
         else:
-            why = self.missing(seq, self.survey())
+            why = missing(seq, self.survey(), self.neighbours)
             if alarm < 0:
                 self.alarm_others()
         cause = (f"waited {waited:.0f} s when rank {alarm}'s watchdog ended the job" if alarm >= 0 else
@@ -260,27 +260,6 @@ class Watch:
         second = self.boards([r for r, b in first.items() if b is not None], within=ASK_S)
         return {r: None if b is None or second.get(r) is None else (second[r], second[r][BEAT] != b[BEAT])
                 for r, b in first.items()}
-
-    def missing(self, seq: int, survey: dict) -> str:
-        """The ranks that hold collective #seq up: not waiting in a collective (their beat stands still) and
-        not past it; with where each stopped and, on this host, what its process is doing."""
-        late = []
-        for r, got in survey.items():
-            if got is None:
-                late.append(f"rank {r} (its board does not answer)")
-                continue
-            b, beating = got
-            if beating or b[DONE] >= seq:
-                continue
-            what = [f"it stopped {_where(b, seq)}"]
-            pid = next((pid for q, pid, _ in self.neighbours if q == r), None)
-            state = process_state(pid)[0] if pid else None
-            if state in STATES:
-                what.append(f"its process, pid {pid}, {STATES[state]}")
-            late.append(f"rank {r} ({'; '.join(what)})")
-        if not late:
-            return "every other rank waits in a collective too (a network or MPI failure?)"
-        return f"{', '.join(late)} did not arrive"
 
     def peer_died(self, r: int, pid: int, op: str, seq: int, step, on_expiry=None) -> None:
         self.ending.acquire()
@@ -305,6 +284,11 @@ class Watch:
             abort_job(self.world, code)
         os._exit(code)
 
+    def watch_nccl(self, gpu_index: int, abort) -> NcclWatchdog:
+        """Start the host thread that bounds this rank's NCCL collectives (NcclWatchdog, below); abort: the
+        communicator's ncclCommAbort."""
+        return NcclWatchdog(self, gpu_index, abort)
+
     def close(self) -> None:
         """At exit, before MPI_Finalize (every rank, like any collective): free the board once every rank is
         here (a watched barrier first, as MPI_Win_free waits without a deadline)."""
@@ -326,8 +310,8 @@ WAITING = ("R", "S")        # the states of a rank waiting in MPI_Init as this o
 class StartupWatch:
     """MPI_Init under the collective deadline. MPI's start-up waits for every rank, and before it completes
     there is no board and no MPI_Abort: a thread of this process watches the other ranks of this host through
-    /proc (llmz.launch.local_ranks found them) while the main thread waits in MPI_Init_thread (called so that
-    the GIL is free: llmz.launch.init_thread).
+    /proc (llmz.run.launch.local_ranks found them) while the main thread waits in MPI_Init_thread (called so that
+    the GIL is free: llmz.run.launch.init_thread).
 
       - a rank that ends before the ranks meet (a failure before MPI started, a crash, a kill) is named at once;
       - a rank that is stopped (SIGSTOP, a debugger), blocked in the kernel, or, before it loaded MPI, makes no
@@ -341,7 +325,7 @@ class StartupWatch:
 
     Then one line, a pause (GRACE_S) for the other waiting ranks' lines, and this process exits: the launcher
     ends the rest of the job (a rank that leaves without finalising MPI is a failure to Hydra and to mpirun;
-    Hydra kills a stopped rank too). Started by llmz.launch.init_ranks for a job of several ranks."""
+    Hydra kills a stopped rank too). Started by llmz.run.launch.init_ranks for a job of several ranks."""
 
     def __init__(self, timeout: float | None, rank: int, size: int, local: dict[int, int], local_size: int | None,
                  rescan=None):
@@ -533,6 +517,29 @@ def _where(board, seq: int) -> str:
     op = OPS[board[OP]] if 0 <= board[OP] < len(OPS) else "?"
     return (f"{'after' if board[DONE] >= board[POSTED] else 'inside'} {op} #{board[POSTED]} "
             f"{_at(None if board[STEP] < 0 else int(board[STEP]))}")
+
+
+def missing(seq: int, survey: dict, neighbours: list) -> str:
+    """The ranks that hold collective #seq up: not waiting in a collective (their beat stands still) and
+    not past it; with where each stopped and, on this host (neighbours: Watch.neighbours), what its process
+    is doing."""
+    late = []
+    for r, got in survey.items():
+        if got is None:
+            late.append(f"rank {r} (its board does not answer)")
+            continue
+        b, beating = got
+        if beating or b[DONE] >= seq:
+            continue
+        what = [f"it stopped {_where(b, seq)}"]
+        pid = next((pid for q, pid, _ in neighbours if q == r), None)
+        state = process_state(pid)[0] if pid else None
+        if state in STATES:
+            what.append(f"its process, pid {pid}, {STATES[state]}")
+        late.append(f"rank {r} ({'; '.join(what)})")
+    if not late:
+        return "every other rank waits in a collective too (a network or MPI failure?)"
+    return f"{', '.join(late)} did not arrive"
 
 
 class NcclWatchdog:

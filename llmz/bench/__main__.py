@@ -1,0 +1,6 @@
+"""python -m llmz.bench: llmz/bench/__init__.py's main."""
+import sys
+
+from . import main
+
+sys.exit(main())
