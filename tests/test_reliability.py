@@ -284,7 +284,7 @@ def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoin
     recs = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
     assert recs[-1]["event"] == "end" and not list(tmp_path.glob("*.tmp"))
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "ck"))).step == 2
-    assert not (tmp_path / "ck" / "llmz.run.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
+    assert not (tmp_path / "ck" / "llmz.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
 
 
 def test_decode_only_and_smaller_tokenizer_files_train_and_sample_without_a_prompt(tmp_path, capsys):
@@ -403,7 +403,7 @@ def test_a_checkpoint_folder_or_log_in_use_is_refused_and_a_stale_lock_is_taken_
         tmp_path, capsys, what):
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
     os.makedirs(ck)
-    path = ck / "llmz.run.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
+    path = ck / "llmz.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
     flags = ["--steps", 1, "--checkpoint-dir", ck, "--log", log]
     live = Lock(str(path), "it")
     assert live.acquire() is None                                   # a live owner: this very process
@@ -429,7 +429,7 @@ def test_two_train_commands_on_one_checkpoint_folder_the_second_is_refused(tmp_p
                               str(ck)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
-        while not (ck / "llmz.run.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
+        while not (ck / "llmz.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
             time.sleep(0.1)
         p = run_cli("-m", "llmz.train", *TINY, "--steps", "2", "--checkpoint-dir", ck)
         assert p.returncode == 2 and "is in use by another run" in p.stderr, p.stderr
@@ -550,7 +550,7 @@ def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
     os.makedirs(ck)
     live = JsonLog(str(log))                     # what a live run holds: its log open (and locked) ...
     live.write({"event": "start"})
-    lock = Lock(str(ck / "llmz.run.lock"), "it")     # ... and its folder's lock
+    lock = Lock(str(ck / "llmz.lock"), "it")     # ... and its folder's lock
     lock.acquire()
     os.symlink(log, tmp_path / "alias.jsonl")
     os.link(log, tmp_path / "hard.jsonl")

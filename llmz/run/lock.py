@@ -136,7 +136,7 @@ def take_locks(args, locks: list) -> list[str]:
     notes = []
     wanted = []
     if args.checkpoint_dir:
-        wanted.append((os.path.join(args.checkpoint_dir, "llmz.run.lock"), f"checkpoint folder {args.checkpoint_dir}"))
+        wanted.append((os.path.join(args.checkpoint_dir, "llmz.lock"), f"checkpoint folder {args.checkpoint_dir}"))
     if args.log:
         wanted.append((fit_name(os.path.realpath(args.log), ".lock"), f"log {args.log}"))
     try:
