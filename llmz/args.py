@@ -14,7 +14,6 @@ and the tokenizer. Everything is read through llmz.run.files: never a FIFO, neve
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -31,6 +30,7 @@ from .run import files
 from .run.files import prepare_folder, prepare_output
 from .run.model_file import model_config, model_header
 from .run.state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
+from .run.watchdog import MIN_TIMEOUT_S
 from .tokenizer import load_tokenizer as load_any_tokenizer
 from .tokenizer import start_id
 
@@ -124,7 +124,7 @@ def checkpoint_step(folder: str) -> tuple[int, str]:
     m = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
     try:
         with open(done) as f:
-            step = json.loads(f.read(4096)).get("step")
+            step = files.loads_json(f.read(4096)).get("step")
     except (OSError, ValueError, AttributeError):
         step = None
     if not isinstance(step, int):
@@ -235,7 +235,8 @@ def check_train_numbers(cfg: TrainConfig) -> None:
     non_negative(cfg, "warmup_steps", "val_every", "sample_every", "sample_tokens", "checkpoint_every",
                  "keep", "lr", "weight_decay", "grad_clip")
     need(cfg, ["sample_tokens"], lambda v: v <= MAX_TOKENS, f"at most {MAX_TOKENS:,}")
-    positive(cfg, "collective_timeout")
+    need(cfg, ["collective_timeout"], lambda v: v >= MIN_TIMEOUT_S, f"at least {MIN_TIMEOUT_S:g} s: a shorter "
+         f"deadline cannot tell a stopped rank from one the scheduler paused, and would end healthy runs")
     need(cfg, ["beta1", "beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
     need(cfg, ["final_lr_frac"], lambda v: 0 <= v <= 1, "in [0, 1]")
     need(cfg, ["recompute"], lambda v: v in RECOMPUTE, "0, 1, 2 or 3")

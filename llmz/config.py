@@ -185,7 +185,8 @@ class TrainConfig:
     resume: str | None = None           # a step folder, or 'latest'
     quiet: bool = False
     print_every: int | None = None      # a progress line every N steps (None: default_print_every(steps))
-    resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's or the log's
+    resume_other_run: bool = False      # --resume a checkpoint of another run than the folder's
+    resume_other_data: bool = False     # --resume with a data file that changed under its name (a note)
     collective_timeout: float = DEFAULT_TIMEOUT_S   # seconds a collective may wait (llmz.run.watchdog)
 
     def for_device(self, kind: str) -> TrainConfig:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -36,7 +37,15 @@ from .bf16 import bf16_to_f32, f32_to_bf16
 from .config import GPT2Config, padded_vocab
 from .errors import LlmzError, UsageError
 from .layout import Layout
-from .run.files import atomic_write, check_memory, open_regular, read_bytes
+from .run.files import (
+    atomic_write,
+    check_memory,
+    loads_json,
+    make_folders,
+    open_regular,
+    read_bytes,
+    remove_folders,
+)
 from .run.model_file import load_model, model_header, save_llmc
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -88,7 +97,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         if n > min(MAX_HEADER, size - 8):
             raise LlmzError(f"{path}: not a safetensors file (a header of {n:,} bytes in a file of {size:,})")
         try:
-            header = json.loads(read_bytes(f, n, path, "safetensors file"))
+            header = loads_json(read_bytes(f, n, path, "safetensors file"))
         except ValueError as e:
             raise LlmzError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
         if not isinstance(header, dict):
@@ -110,7 +119,7 @@ def _read_tensor(f, path: str, name: str, t, data_size: int, data_start: int) ->
     shape, span = t.get("shape"), t.get("data_offsets")
     ok = (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)
           and isinstance(span, list) and len(span) == 2 and all(isinstance(s, int) for s in span)
-          and 0 <= span[0] <= span[1] <= data_size and span[1] - span[0] == int(np.prod(shape)) * dt.itemsize)
+          and 0 <= span[0] <= span[1] <= data_size and span[1] - span[0] == math.prod(shape) * dt.itemsize)
     if not ok:
         raise LlmzError(f"{path}: tensor {name}: shape {shape} and data_offsets {span} do not fit the "
                         f"{data_size:,} bytes of data")
@@ -163,11 +172,21 @@ def to_hf(model_path: str, folder: str, dtype: str | None = None) -> str:
             a = w[name] if layer is None else w[name][layer]
             a = a[:config.vocab_size] if name == "wte" else a.T if transposed else a
             tensors[hf.format(l=layer)] = (tag, a if dtype == "fp32" else f32_to_bf16(a))
-    os.makedirs(folder, exist_ok=True)
-    write_safetensors(os.path.join(folder, WEIGHTS_FILE), tensors)
-    for name, content in ((CONFIG_FILE, hf_config(config, dtype, seq_len)),
-                          (GENERATION_FILE, generation_config(config, seq_len))):
-        atomic_write(os.path.join(folder, name), [(json.dumps(content, indent=2) + "\n").encode()])
+    texts = [(name, json.dumps(content, indent=2) + "\n") for name, content in
+             ((CONFIG_FILE, hf_config(config, dtype, seq_len)), (GENERATION_FILE, generation_config(config, seq_len)))]
+    made = make_folders(folder)             # only now: a model refused above leaves no folder behind
+    written = []
+    try:                                    # the three files, or none (nor a folder this call made)
+        write_safetensors(os.path.join(folder, WEIGHTS_FILE), tensors)
+        written.append(os.path.join(folder, WEIGHTS_FILE))
+        for name, text in texts:
+            atomic_write(os.path.join(folder, name), [text.encode()])
+            written.append(os.path.join(folder, name))
+    except BaseException:
+        for path in written:
+            os.unlink(path)
+        remove_folders(made)
+        raise
     window = ("the window it was trained at (model file header slot 8)" if seq_len else
               "maxT: the model file does not say the window it was trained at")
     return (f"{model_path} ({file_dtype}) -> {folder}/{CONFIG_FILE}, {folder}/{GENERATION_FILE}, "
@@ -185,7 +204,7 @@ def read_hf_config(folder: str) -> tuple[GPT2Config, int]:
     f, size = open_regular(path, "config.json")
     with f:
         try:
-            cfg = json.loads(read_bytes(f, size, path, "config.json"))
+            cfg = loads_json(read_bytes(f, size, path, "config.json"))
         except ValueError as e:
             raise LlmzError(f"{path}: not JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
@@ -221,7 +240,7 @@ def read_hf_weights(folder: str) -> dict[str, np.ndarray]:
         f, size = open_regular(index, "safetensors index")
         with f:
             try:
-                files = sorted(set(json.loads(read_bytes(f, size, index, "safetensors index"))["weight_map"].values()))
+                files = sorted(set(loads_json(read_bytes(f, size, index, "safetensors index"))["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise LlmzError(f"{index}: not a safetensors index (no weight_map of file names)") from None
     if not os.path.exists(os.path.join(folder, files[0])) and os.path.exists(os.path.join(folder, "pytorch_model.bin")):
@@ -269,7 +288,12 @@ def from_hf(folder: str, out_path: str, dtype: str = "fp32") -> str:
     bad = int(np.count_nonzero(~np.isfinite(llmc)))
     if bad:
         raise LlmzError(f"{folder}: {bad:,} parameters are NaN or infinite; nothing written")
-    save_llmc(out_path, config, llmc, dtype, seq_len)
+    made = make_folders(os.path.dirname(os.path.abspath(out_path)))
+    try:
+        save_llmc(out_path, config, llmc, dtype, seq_len)
+    except BaseException:
+        remove_folders(made)
+        raise
     return (f"{folder} -> {out_path} (llm.c {dtype}, version {3 if dtype == 'fp32' else 5}: L={c.num_layers} "
             f"NH={c.num_heads} C={c.channels} V={c.vocab_size} maxT={c.max_seq_len}"
             + (f", trained at T={seq_len}" if seq_len else "") + ")")
@@ -299,13 +323,13 @@ def main(argv=None) -> int:
             # the source first (a bad one leaves no output folder behind), then the output
             if args.to_hf:
                 model_header(args.source)
-                prepare_folder(args.to_hf, "--to-hf")
+                prepare_folder(args.to_hf, "--to-hf", create=False)     # made when the files are written
             else:
                 if not os.path.isdir(args.source):
                     raise LlmzError(f"{args.source}: not a folder; --to-llmc reads a Hugging Face GPT-2 folder "
                                     f"(config.json, model.safetensors)")
                 read_hf_config(args.source)
-                prepare_output(args.to_llmc, "--to-llmc")
+                prepare_output(args.to_llmc, "--to-llmc", create=False)
         except LlmzError as e:
             raise UsageError(str(e)) from None
         line = (to_hf(args.source, args.to_hf, args.dtype) if args.to_hf

@@ -3,9 +3,12 @@
 Token file: a header of 256 int32 ([0]=20240520 magic, [1]=1 version, [2]=number of tokens), then the
 tokens as uint16; its size is exactly 1024 + 2 * ntok bytes.
 
-Ranks agree on their data before any work (`check_same_data`): each rank reads its own files (a relative
-glob, node-local copies), so each sends the others a fingerprint of every file it will read, its size and
-a hash of its bytes, and a rank whose data differ from rank 0's is named in one line.
+A run knows its data by content: the DataLoader takes the SHA-256 of every token file's bytes (all of
+them, header included: what `sha256sum FILE` prints) while it reads the file, the reading and the hashing
+overlapped. The ranks agree on it before any step (`check_same_data`): each rank reads its own files (a
+relative glob, node-local copies), so each sends the others the name, size and digest of every file it
+reads, and a rank whose data differ from rank 0's is named in one line. Checkpoints keep the digests, and a
+resume compares them (llmz.run.checkpoints.check_data).
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ from .run.files import (
     check_size,
     open_regular,
     read_array,
+    read_bytes,
     read_header,
 )
-from .run.launch import agree, allgather
+from .run.launch import allgather
 
 TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
@@ -71,12 +75,16 @@ def token_count(path: str) -> int:
     return ntok
 
 
-def read_tokens(path: str, vocab_size: int | None = None) -> np.ndarray:
+def read_tokens(path: str, vocab_size: int | None = None, hasher=None) -> np.ndarray:
     """Read an llm.c token file -> uint16 array, checking magic, version, count and exact size (header
-    against fstat, before reading a token) and (if vocab_size is given) that every token is < vocab_size."""
+    against fstat, before reading a token) and (if vocab_size is given) that every token is < vocab_size.
+    hasher (a hashlib object): updated with every byte of the file, header first, as it is read."""
     f, ntok = _open_tokens(path)
     with f:
-        tokens = read_array(f, "<u2", ntok, path, "token file").astype(np.uint16, copy=False)
+        if hasher is not None:
+            f.seek(0)
+            hasher.update(read_bytes(f, HEADER_BYTES, path, "token file"))
+        tokens = read_array(f, "<u2", ntok, path, "token file", hasher).astype(np.uint16, copy=False)
     if vocab_size is not None and ntok:
         bad = np.flatnonzero(tokens >= vocab_size)
         if bad.size:
@@ -95,35 +103,29 @@ def find_token_files(pattern: str) -> list[str]:
 
 
 # ---- every rank reads the same data ---------------------------------------------------------------------
-WHOLE_HASH_BYTES = 64 << 20      # files up to this size are hashed whole (SHA-256: ~1.1 GB/s here, 60 ms)
-SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 64 << 10   # larger ones by 64 blocks of 64 KiB spread evenly, first and last
+DIGEST = "sha256"                 # hashlib's name of the digest every token file is known by
+SHOWN = 16                        # hex digits of a digest shown in a line (all 64 are kept)
 
 
-def fingerprint(path: str) -> tuple[int, str]:
-    """(size, hash) of a data file: SHA-256 of its bytes (of its evenly spread blocks, header and end
-    included, when it is larger than WHOLE_HASH_BYTES), and of its size. The same on every copy of a file,
-    wherever it lies; names and times do not enter."""
+def file_digest(path: str) -> tuple[int, str]:
+    """(size, SHA-256 hex digest) of a file's bytes, read in pieces: what `sha256sum` prints. (The DataLoader
+    takes the same digest while it reads a token file, without a second pass.)"""
+    h = hashlib.new(DIGEST)
     f, size = open_regular(path, "token file")
-    h = hashlib.sha256(str(size).encode())
     with f:
-        if size <= WHOLE_HASH_BYTES:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        else:
-            for i in range(SAMPLE_BLOCKS):
-                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1))
-                h.update(f.read(SAMPLE_BYTES))
-    return size, h.hexdigest()[:16]
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return size, h.hexdigest()
 
 
-def check_same_data(ranks, data: dict[str, str]) -> None:
-    """Every rank reads the same data: the files each flag's glob (data: {flag: glob}) names on this rank
-    have the same sizes and hashes as rank 0's, in the same order; else every rank stops with one line naming
-    the first rank and file that differ (AgreedError, exit status 2). A collective: every rank calls it."""
+def check_same_data(ranks, loaders: dict) -> dict[str, list[list]]:
+    """Every rank reads the same data: the files of each loader ({flag: DataLoader or None}) on this rank have
+    the sizes and digests of rank 0's, in the same order; else every rank stops with one line naming the first
+    rank and file that differ (AgreedError, exit status 2). Returns the data as rank 0 names it, {flag: [[name,
+    size, digest], ...]}: what a checkpoint keeps. A collective: every rank calls it."""
+    mine = {flag: [list(d) for d in loader.digests] for flag, loader in loaders.items() if loader is not None}
     if ranks.world_size == 1:
-        return
-    mine = agree(ranks, lambda: {flag: [(p, *fingerprint(p)) for p in find_token_files(pattern)]
-                                 for flag, pattern in data.items() if pattern})
+        return mine
     views = allgather(ranks, mine)
     for r, view in enumerate(views[1:], start=1):
         for flag, files in view.items():
@@ -133,9 +135,11 @@ def check_same_data(ranks, data: dict[str, str]) -> None:
                                   f"must read the same data (a relative path from another folder?)", 2)
             for (p, size, digest), (p0, size0, digest0) in zip(files, ref):
                 if (size, digest) != (size0, digest0):
-                    raise AgreedError(f"rank {r}'s {flag} file {p} ({size} bytes, hash {digest}) differs from "
-                                      f"rank 0's {p0} ({size0} bytes, hash {digest0}): every rank must read the "
-                                      f"same data (a relative path from another folder, or copies that differ?)", 2)
+                    raise AgreedError(f"rank {r}'s {flag} file {p} ({size} bytes, {DIGEST} {digest[:SHOWN]}) differs "
+                                      f"from rank 0's {p0} ({size0} bytes, {DIGEST} {digest0[:SHOWN]}): every rank "
+                                      f"must read the same data (a relative path from another folder, or copies "
+                                      f"that differ?)", 2)
+    return views[0]
 
 
 # ---- the data loader --------------------------------------------------------------------------------------
@@ -167,7 +171,11 @@ class DataLoader:
             self.files = list(pattern_or_paths)
             if not self.files:
                 raise LlmzError("no token files given")
-        parts = [read_tokens(p, vocab_size) for p in self.files]
+        parts, self.digests = [], []          # digests: (name, size, SHA-256) of each file, as read
+        for p in self.files:
+            h = hashlib.new(DIGEST)
+            parts.append(read_tokens(p, vocab_size, h))
+            self.digests.append((p, HEADER_BYTES + 2 * parts[-1].size, h.hexdigest()))
         self.tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.shuffle, self.seed = shuffle, seed

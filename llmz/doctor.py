@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from .errors import LlmzError, print_out
 from .run.environment import INSTALL, mpi_library
 
 
@@ -194,7 +195,11 @@ def main(argv=None) -> int:
     import argparse
     argparse.ArgumentParser(prog="python -m llmz.doctor", description=__doc__.splitlines()[0]).parse_args(argv)
     lines, cpu_ok = report()
-    print("\n".join(lines))
+    try:
+        print_out("\n".join(lines))
+    except LlmzError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     if not cpu_ok:
         print("the CPU path does not work: llmz cannot train here until the lines marked -> are fixed",
               file=sys.stderr)

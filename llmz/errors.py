@@ -18,6 +18,18 @@ class UsageError(LlmzError):
     exit_code = 2
 
 
+def print_out(text: str) -> None:
+    """print(text) on stdout, flushed. A stdout that cannot take it (/dev/full, a full disk, a closed pipe) is
+    an LlmzError, one line for the command to print on stderr; stdout then points at /dev/null, so that
+    Python's own flush at exit adds no traceback of its own."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise LlmzError(f"cannot write to standard output ({e.strerror or e})") from None
 class AgreedError(LlmzError):
     """An error raised on every rank alike (after llmz.run.launch.agree, or a check every rank makes the same
     way): rank 0 prints it once and every rank exits with its status; no rank waits for another, so no

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import LlmzError
+from .run.files import loads_json
 
 FORMATS = ("png", "svg", "pdf")
 # one line style per run besides its colour, so a run that repeats another's numbers (stage 2 over stage 0)
@@ -88,7 +89,7 @@ def read_log(path: str) -> LogFile:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads_json(line)
         except json.JSONDecodeError as e:
             if i == len(lines):         # the last line, cut short (the run was killed mid-write): skip it
                 print(f"{path}: line {i} is incomplete, skipped", file=sys.stderr)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .data import write_tokens
 from .errors import LlmzError, UsageError
-from .run.files import open_regular, prepare_output, read_bytes
+from .run.files import fit_name, open_regular, prepare_output, read_bytes
 from .tokenizer import ByteTokenizer, Gpt2Tokenizer, tokenizer_name, write_tokenizer
 
 LINE_SEARCH = 1000          # characters before the cut searched for a line start
@@ -79,7 +79,7 @@ def write_dataset(token_files: dict[str, np.ndarray], tokenizer_path: str, tok) 
     written = []
     try:
         for path, write in writes:
-            tmp = f"{path}.{os.getpid()}.part"
+            tmp = fit_name(path, f".{os.getpid()}.part")     # cut to fit wherever the final name fits
             write(tmp)
             written.append((tmp, path))
         for tmp, path in written:

@@ -142,11 +142,16 @@ def output_flags(a) -> None:
       "step whatever N is (default: about 25 lines a run, the round number nearest --steps / 25: 50 for the "
       "default cpu run's 1500 steps, 100 for the gpu's 2000)")
     a("--resume-other-run", action="store_true", help="take the checkpoint --resume names even though it is "
-      "of another run than the rest of --checkpoint-dir or the --log (checkpoints carry their run's id)")
+      "of another run than the rest of --checkpoint-dir (checkpoints carry their run's id); another run's --log "
+      "is refused all the same (a resume trims its log, and only the run that wrote a log may): name a new one")
+    a("--resume-other-data", action="store_true", help="--resume even where a data file has other bytes than "
+      "when the checkpoint was written, under the same name (checkpoints keep every token file's SHA-256): "
+      "refused without it; with it, a note, printed and in the log's start record")
     a("--collective-timeout", type=float, metavar="SECONDS", help="end the job, naming the collective, the "
       "step and the rank(s) that did not arrive, when a collective between ranks waits longer than this (a "
-      "rank stopped, hung or dead). The default, PyTorch's, is 40x the longest legitimate wait of one rank "
-      "for another (BENCHMARKS.md: the checkpoint whose model file rank 0 writes alone, the first step's "
+      "rank stopped, hung or dead), MPI's start-up included; at least 1 s. The default, PyTorch's, is 40x the "
+      "longest legitimate wait of one rank for another (BENCHMARKS.md: the checkpoint whose model file rank 0 "
+      "writes alone, the first step's "
       "compilation, CUDA graph capture: seconds); raise it only for a filesystem that takes minutes to write "
       "a checkpoint")
 

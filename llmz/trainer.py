@@ -68,6 +68,10 @@ class Trainer:
                                        seed=cfg.seed, vocab_size=V)
         self.val_loader = (DataLoader(cfg.val_data, B, T, self.rank, self.world_size, vocab_size=V)
                            if cfg.val_data else None)
+        # every file's name, size and SHA-256, the same on every rank (a collective), and the resumed
+        # checkpoint's where it names the same file
+        self.data = check_same_data(ranks, {"--train-data": self.train_loader, "--val-data": self.val_loader})
+        self.notes += checkpoints.check_data(cfg, self.resumed, self.data)
         self.opt = AdamW(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                          weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                          warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
@@ -239,10 +243,10 @@ def train(cfg: TrainConfig, kind: str, ranks) -> dict:
     locks, run, log, step, latest = [], None, None, None, None
     try:
         cfg = settle_run_dir(cfg, ranks)
-        # rank 0 locks the checkpoint folder and the log, and checks they are this run's; all read the same data
+        # rank 0 locks the checkpoint folder and the log, and checks they are this run's (the Trainer checks
+        # that every rank reads the same data)
         notes = agree(ranks, lambda: take_locks(cfg, locks) + check_run_identity(cfg) if ranks.rank == 0
                       else [])
-        check_same_data(ranks, {"--train-data": cfg.train_data, "--val-data": cfg.val_data})
         with before_any_work():                     # a file found wrong while reading it: status 2
             run = Trainer(cfg, kind, ranks)
         log = RunLog(run, ranks)

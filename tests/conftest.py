@@ -64,6 +64,9 @@ QUICK = [
     "tests/test_prepare.py::test_files_decode_back_to_the_text_with_the_last_share_held_out_at_a_line_start",
     "tests/test_convert.py::test_llmc_to_hf_to_llmc_gives_back_the_same_bytes[fp32]",
     "tests/test_doctor.py::test_doctor_fits_a_screen_names_every_part_and_exits_0_where_the_cpu_path_works",
+    "tests/test_data.py::test_a_files_digest_is_sha256_of_all_its_bytes_the_same_for_copies_and_changed_by_one_token_anywhere",
+    "tests/test_watchdog.py::test_the_start_up_watch_names_a_stopped_rank_at_the_deadline_and_a_dead_one_at_once",
+    "tests/test_watchdog.py::test_a_rank_that_cannot_start_mpi_says_why_in_its_own_line_and_ends_the_job",
 ]
 GPU_SKIP = "needs a CUDA GPU (CuPy sees none)"
 

@@ -140,6 +140,9 @@ def files(tmp_path_factory):
     (["-b", "0"], "positive"),
     (["--max-loss", "0"], "positive"),
     (["--max-loss", "nan"], "finite"),
+    (["--collective-timeout", "1e-9"], "--collective-timeout 1e-09: must be at least 1 s: a shorter deadline cannot "
+                                       "tell a stopped rank from one the scheduler paused"),
+    (["--collective-timeout", "0.99"], "must be at least 1 s"),
     (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
     (["--steps", "1e3"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),

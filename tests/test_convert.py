@@ -124,6 +124,17 @@ def corrupt_header(folder):
     (folder / "model.safetensors").write_bytes(bytes(raw))
 
 
+def nested_header(folder):
+    deep = b"[" * 100_000 + b"]" * 100_000                      # deeper than Python's JSON reader goes
+    (folder / "model.safetensors").write_bytes(np.array([len(deep)], "<u8").tobytes() + deep)
+
+
+def wrapping_shape(folder):
+    """A tensor whose shape's product is 2^64: 0 in int64 arithmetic, as its data_offsets [0, 0] claim."""
+    head = json.dumps({"transformer.wte.weight": {"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}})
+    (folder / "model.safetensors").write_bytes(np.array([len(head)], "<u8").tobytes() + head.encode())
+
+
 def truncate(folder):
     raw = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(raw[:-100])
@@ -146,6 +157,10 @@ BAD_FOLDERS = {
     "nan": (lambda d: edit_weights(d, lambda w: w["transformer.ln_f.bias"].__setitem__(0, np.nan)),
             "NaN or infinite"),
     "bad header": (corrupt_header, "not a safetensors file"),
+    "header nested 100,000 deep": (nested_header, "not a safetensors file (its header is not JSON: nested too deeply"),
+    "config nested 100,000 deep": (lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+                                   "config.json: not JSON (nested too deeply"),
+    "shape product wraps to 0": (wrapping_shape, "shape [4294967296, 4294967296] and data_offsets [0, 0] do not fit"),
     "truncated": (truncate, "do not fit the"),
 }
 
@@ -155,9 +170,9 @@ def test_a_bad_folder_is_one_line_and_writes_nothing(tmp_path, rng, case):
     damage, message = BAD_FOLDERS[case]
     folder = hf_folder(tmp_path, rng)
     damage(folder)
-    p = run(folder, "--to-llmc", tmp_path / "out.bin")
+    p = run(folder, "--to-llmc", tmp_path / "new" / "out.bin")
     assert p.returncode in (1, 2) and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
-    assert not (tmp_path / "out.bin").exists()
+    assert not (tmp_path / "new").exists()                     # not even the folder it would have made
 
 
 def test_bad_command_lines_and_sources_are_refused_at_start_with_status_2(tmp_path, rng):
@@ -172,6 +187,16 @@ def test_bad_command_lines_and_sources_are_refused_at_start_with_status_2(tmp_pa
         p = run(*args)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, (args, p.stderr)
     assert not (tmp_path / "h").exists() and not (tmp_path / "o.bin").exists()
+
+
+def test_a_model_refused_while_converting_leaves_no_output_folder(tmp_path, rng):
+    src = model_file(tmp_path / "m.bin", rng)
+    raw = bytearray(src.read_bytes())
+    raw[-4:] = np.float32(np.nan).tobytes()                     # found only when the parameters are read
+    (tmp_path / "nan.bin").write_bytes(bytes(raw))
+    p = run(tmp_path / "nan.bin", "--to-hf", tmp_path / "out" / "hf")
+    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "NaN or infinite" in p.stderr, p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.bin", "nan.bin"]
 
 
 def test_a_gpt2model_folder_without_the_transformer_prefix_and_with_mask_buffers_reads(tmp_path, rng):

@@ -145,23 +145,25 @@ def test_bad_batch_arguments_fail_with_one_line(stream):
             DataLoader(stream, **kw)
 
 
-def test_a_fingerprint_is_the_same_for_copies_and_differs_for_one_byte_whole_or_sampled(tmp_path, rng, monkeypatch):
-    import llmz.data
-    from llmz.data import fingerprint
+def test_a_files_digest_is_sha256_of_all_its_bytes_the_same_for_copies_and_changed_by_one_token_anywhere(
+        tmp_path, rng, monkeypatch):
+    import hashlib
+
+    import llmz.run.files
+    from llmz.data import file_digest
+    monkeypatch.setattr(llmz.run.files, "HASH_CHUNK", 4096)     # read and hashed in pieces (64 MiB in a run)
     tokens = rng.integers(0, 256, 50_000)
     write_tokens(str(tmp_path / "a.bin"), tokens)
     os.makedirs(tmp_path / "elsewhere")
     write_tokens(str(tmp_path / "elsewhere" / "a.bin"), tokens)           # a copy under another name
-    assert fingerprint(str(tmp_path / "a.bin")) == fingerprint(str(tmp_path / "elsewhere" / "a.bin"))
-    changed = tokens.copy()
-    changed[rng.integers(tokens.size)] ^= 1                             # one token anywhere: hashed whole
-    write_tokens(str(tmp_path / "b.bin"), changed)
-    assert fingerprint(str(tmp_path / "b.bin")) != fingerprint(str(tmp_path / "a.bin"))
-    # large files: 64 blocks spread evenly, first and last included; a byte inside a sampled block counts
-    monkeypatch.setattr(llmz.data, "WHOLE_HASH_BYTES", 4096)
-    monkeypatch.setattr(llmz.data, "SAMPLE_BYTES", 256)
-    changed = tokens.copy()
-    changed[-1] ^= 1
-    write_tokens(str(tmp_path / "c.bin"), changed)
-    assert fingerprint(str(tmp_path / "c.bin")) != fingerprint(str(tmp_path / "a.bin"))
-    assert fingerprint(str(tmp_path / "a.bin"))[0] == os.path.getsize(tmp_path / "a.bin")
+    raw = (tmp_path / "a.bin").read_bytes()
+    loader = DataLoader(str(tmp_path / "a.bin"), 2, 8)
+    assert loader.digests == [(str(tmp_path / "a.bin"), len(raw), hashlib.sha256(raw).hexdigest())]   # sha256sum's
+    assert file_digest(str(tmp_path / "a.bin")) == loader.digests[0][1:]
+    assert DataLoader(str(tmp_path / "elsewhere" / "a.bin"), 2, 8).digests[0][1:] == loader.digests[0][1:]
+    np.testing.assert_array_equal(loader.tokens, tokens)                # hashing while reading reads the same
+    for i in (0, int(rng.integers(1, tokens.size - 1)), tokens.size - 1):   # one token anywhere, the ends too
+        changed = tokens.copy()
+        changed[i] ^= 1
+        write_tokens(str(tmp_path / "b.bin"), changed)
+        assert DataLoader(str(tmp_path / "b.bin"), 2, 8).digests[0][2] != loader.digests[0][2], i

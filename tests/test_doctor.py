@@ -25,6 +25,14 @@ def test_doctor_fits_a_screen_names_every_part_and_exits_0_where_the_cpu_path_wo
     assert all("-> " in line for line in lines if line.startswith("  no ")), p.stdout
 
 
+def test_a_stdout_that_cannot_be_written_is_one_line_and_a_non_zero_status():
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "llmz.doctor"], cwd=REPO, stdout=full, stderr=subprocess.PIPE,
+                           text=True, check=False, timeout=120)
+    assert p.returncode != 0 and p.stderr == "error: cannot write to standard output (No space left on device)\n", \
+        p.stderr
+
+
 def test_a_broken_cpu_path_is_reported_with_status_1(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "cpu_path_works", lambda: "ImportError: no numba")
     assert doctor.main([]) == 1

@@ -109,6 +109,16 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(tmp_path, case):
     assert sorted(os.listdir(tmp_path)) == before
 
 
+def test_a_prefix_whose_longest_file_name_just_fits_works_and_leaves_nothing_else(tmp_path):
+    from llmz.run.files import name_limits
+    (tmp_path / "good.txt").write_text("a line\nanother line\n" * 20, encoding="utf-8")
+    prefix = "p" * (name_limits(str(tmp_path))[0] - len("_tokenizer.bin"))     # 241 where names take 255 bytes
+    p = run("good.txt", "-o", prefix, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["good.txt"] + [f"{prefix}_{part}.bin" for part in
+                                                                 ("train", "val", "tokenizer")])
+
+
 def test_a_write_failing_midway_leaves_no_file_of_the_set(tmp_path, rng, monkeypatch):
     from llmz.errors import LlmzError
     real = prepare.write_tokenizer

@@ -284,7 +284,7 @@ def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoin
     recs = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
     assert recs[-1]["event"] == "end" and not list(tmp_path.glob("*.tmp"))
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "ck"))).step == 2
-    assert not (tmp_path / "ck" / "llmz.run.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
+    assert not (tmp_path / "ck" / "llmz.lock").exists() and not (tmp_path / "l.jsonl.lock").exists()
 
 
 def test_decode_only_and_smaller_tokenizer_files_train_and_sample_without_a_prompt(tmp_path, capsys):
@@ -403,7 +403,7 @@ def test_a_checkpoint_folder_or_log_in_use_is_refused_and_a_stale_lock_is_taken_
         tmp_path, capsys, what):
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
     os.makedirs(ck)
-    path = ck / "llmz.run.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
+    path = ck / "llmz.lock" if what == "checkpoint-dir" else Path(str(log) + ".lock")
     flags = ["--steps", 1, "--checkpoint-dir", ck, "--log", log]
     live = Lock(str(path), "it")
     assert live.acquire() is None                                   # a live owner: this very process
@@ -429,7 +429,7 @@ def test_two_train_commands_on_one_checkpoint_folder_the_second_is_refused(tmp_p
                               str(ck)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
-        while not (ck / "llmz.run.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
+        while not (ck / "llmz.lock").exists() and time.time() - t0 < 60 and first.poll() is None:
             time.sleep(0.1)
         p = run_cli("-m", "llmz.train", *TINY, "--steps", "2", "--checkpoint-dir", ck)
         assert p.returncode == 2 and "is in use by another run" in p.stderr, p.stderr
@@ -517,6 +517,32 @@ def test_resume_with_other_training_data_says_so(tmp_path, capsys):
     assert "changed: " in out and f"--train-data {other} (was " in out
 
 
+def test_resume_with_a_data_file_rewritten_under_its_name_is_refused_naming_both_digests(tmp_path, capsys):
+    import hashlib
+    data, ck, log = tmp_path / "t.bin", tmp_path / "ck", tmp_path / "run.jsonl"
+    write_tokens(str(data), np.random.default_rng(1).integers(0, 256, 5000))
+    then = hashlib.sha256(data.read_bytes()).hexdigest()
+    train_here("--steps", 1, "--train-data", data, "--checkpoint-dir", ck, "--log", log)
+    write_tokens(str(data), np.random.default_rng(2).integers(0, 256, 5000))     # other text, the same count
+    now = hashlib.sha256(data.read_bytes()).hexdigest()
+    written = log.read_text()
+    with pytest.raises(LlmzError) as e:
+        train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log)
+    assert one_line(e) == (f"--train-data {data} is not the file checkpoint {step_dir(ck, 1)} was trained on: "
+                           f"sha256 {now[:16]} now (11,024 bytes), {then[:16]} then (11,024 bytes); the run would go "
+                           f"on at its position in other data: restore the file, or add --resume-other-data to go on "
+                           f"anyway")
+    assert e.value.exit_code == 2 and log.read_text() == written         # refused before any work
+    capsys.readouterr()
+    train_here("--steps", 2, "--train-data", data, "--resume", "--checkpoint-dir", ck, "--log", log,
+               "--resume-other-data")
+    assert "going on, as --resume-other-data says" in capsys.readouterr().out
+    start = [json.loads(line) for line in log.read_text().splitlines() if '"event": "start"' in line][-1]
+    assert any("going on, as --resume-other-data says" in n for n in start["notes"])       # said in the log
+    assert start["data"]["--train-data"] == [[str(data), 11024, now]]
+    assert load_checkpoint(step_dir(ck, 2)).meta["data_files"]["--train-data"] == [[str(data), 11024, now]]
+
+
 # ---- the same file under another name; a --log that is not a log; another run's checkpoint -------------------
 def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
     from llmz.run.files import JsonLog
@@ -524,7 +550,7 @@ def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
     os.makedirs(ck)
     live = JsonLog(str(log))                     # what a live run holds: its log open (and locked) ...
     live.write({"event": "start"})
-    lock = Lock(str(ck / "llmz.run.lock"), "it")     # ... and its folder's lock
+    lock = Lock(str(ck / "llmz.lock"), "it")     # ... and its folder's lock
     lock.acquire()
     os.symlink(log, tmp_path / "alias.jsonl")
     os.link(log, tmp_path / "hard.jsonl")
@@ -574,13 +600,25 @@ def test_a_checkpoint_of_another_run_is_named_and_refused_unless_the_user_says_s
     assert one_line(e) == (f"--resume {step_dir(ck, 4)} is a checkpoint of run {theirs}, but checkpoint "
                            f"{step_dir(ck, 2)} belongs to run {mine} (a checkpoint copied from another run?); to "
                            f"continue run {theirs} there anyway, add --resume-other-run")
-    shutil.rmtree(step_dir(ck, 2))              # the folder alone no longer tells, the log still does
-    with pytest.raises(LlmzError, match=f"but log {tmp_path / 'run.jsonl'} belongs to run {mine}"):
-        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl")
+    # --resume-other-run takes it, but never trims this run's log (only the run that wrote a log may): refused
+    log = tmp_path / "run.jsonl"
+    written = log.read_text()
+    with pytest.raises(LlmzError) as e:
+        train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", log, "--resume-other-run")
+    assert f"--resume-other-run takes it, but --log {log} is the log of run {mine}, which only that run may " \
+        f"trim: name a new --log for run {theirs}" in one_line(e)
     capsys.readouterr()
-    train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "run.jsonl", "--resume-other-run")
+    train_here("--steps", 6, "--resume", "--checkpoint-dir", ck, "--log", tmp_path / "new.jsonl", "--resume-other-run")
     assert "continuing it, as --resume-other-run says" in capsys.readouterr().out
     assert json.loads(Path(step_dir(ck, 6), DONE_FILE).read_text())["run_id"] == theirs      # its run goes on
+    shutil.rmtree(step_dir(ck, 2))              # the folder alone no longer tells, the log still does
+    for flags in ([], ["--resume-other-run"]):
+        with pytest.raises(LlmzError) as e:
+            train_here("--steps", 8, "--resume", "--checkpoint-dir", ck, "--log", log, *flags)
+        assert one_line(e) == (f"--log {log} is the log of run {mine}, and --resume {step_dir(ck, 6)} continues run "
+                               f"{theirs}: a resume trims its log back to the step it resumes from, which only the "
+                               f"run that wrote the log may do; name a new --log for run {theirs}")
+    assert log.read_text() == written                                   # another run's log: left whole
 
 
 @pytest.mark.mpi
@@ -608,8 +646,8 @@ def test_ranks_that_read_different_data_are_refused_before_any_work_naming_the_r
                         str(tmp_path / "b"), *rank], capture_output=True, text=True, timeout=120, check=False,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "step" not in p.stdout, p.stderr
-    assert p.stderr.startswith("error: rank 1's --train-data file t.bin (11024 bytes, hash "), p.stderr
-    assert "differs from rank 0's t.bin (11024 bytes, hash " in p.stderr
+    assert p.stderr.startswith("error: rank 1's --train-data file t.bin (11024 bytes, sha256 "), p.stderr
+    assert "differs from rank 0's t.bin (11024 bytes, sha256 " in p.stderr
 
 
 # ---- odd inputs: prompt bytes, token counts, names at the filesystem's limits -----------------------------------

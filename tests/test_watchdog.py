@@ -155,6 +155,102 @@ def test_a_rank_frozen_with_a_started_collective_in_flight_is_named_and_the_job_
     assert ended - froze < TIMEOUT + SLACK, f"ended {ended - froze:.1f} s after the freeze"
 
 
+# ---- MPI's start-up: before the ranks meet -----------------------------------------------------------------
+def startup_watch(peers: dict, size: int, timeout: float = 1.0):
+    """rank 0's StartupWatch in a one-host world of `size` whose other ranks are `peers` ({rank: pid}), its end
+    recorded (and the wait it watches released) instead of ending this process."""
+    w = watchdog.StartupWatch(timeout, 0, size, {0: os.getpid(), **peers}, size)
+    ended = []
+
+    def end(line, code):
+        ended.append((line, code, time.monotonic() - w.t0))
+        w.done.set()                            # the watch's thread stops at its next look
+    w.end = end
+    return w, ended
+
+
+def test_the_start_up_watch_names_a_stopped_rank_at_the_deadline_and_a_dead_one_at_once(stopped_process):
+    w, ended = startup_watch({1: stopped_process}, 2)
+    w.run(lambda: w.done.wait(30))              # "MPI_Init": returns when the watch ends the job
+    line, code, took = ended[0]
+    assert line == (f"error: collective watchdog: MPI's start-up (MPI_Init) did not complete within "
+                    f"--collective-timeout 1 s: rank 1 (its process, pid {stopped_process}, is stopped: SIGSTOP, or a "
+                    f"debugger, before MPI's start-up) did not arrive") and code == TIMEOUT_EXIT
+    assert 1.0 < took < 1.0 + 5, took
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    while watchdog.process_state(dead.pid)[0] != "Z":
+        time.sleep(0.01)
+    w, ended = startup_watch({1: dead.pid}, 2, timeout=60)
+    w.run(lambda: w.done.wait(30))
+    line, code, took = ended[0]
+    host = os.uname().nodename
+    assert line == (f"error: rank 1 (pid {dead.pid} on {host}) ended before the ranks met; this rank waited for it "
+                    f"in MPI's start-up (MPI_Init)") and code == watchdog.PEER_DIED_EXIT and took < 2, (line, took)
+    dead.wait()
+
+
+def test_the_start_up_watch_waits_for_a_rank_that_is_slow_but_busy_and_lets_a_completed_start_go():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        w, ended = startup_watch({1: busy.pid}, 2, timeout=1.0)
+        w.run(lambda: time.sleep(2.5))          # past the deadline, below STARTUP_CAP x it: still importing
+        assert ended == []
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def start_up_case(rank1: str, *flags: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    """mpiexec: rank 0 runs llmz.train, rank 1 runs Python code `rank1` (which may run llmz.train in turn) ->
+    (the finished job, seconds it took)."""
+    train = ["--device", "cpu", "--model", "tiny", "-b", "2", "-t", "8", "--val-batches", "1", "--sample-tokens",
+             "0", "--quiet", "--steps", "2", *flags]
+    t0 = time.time()
+    p = run_mpi(1, ["-m", "llmz.train", *train, ":", "-n", "1", sys.executable, "-c", rank1, *train], timeout=timeout)
+    return p, time.time() - t0
+
+
+TRAIN = "import sys\nfrom llmz.train import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+@pytest.mark.mpi
+def test_a_rank_that_cannot_start_mpi_says_why_in_its_own_line_and_ends_the_job():
+    limited = "import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, (51200, 51200))   # ulimit -f 50\n" + TRAIN
+    p, took = start_up_case(limited)
+    print(f"exit {p.returncode} after {took:.1f} s\n{p.stderr}")
+    lines = llmz_lines(p.stderr)
+    assert p.returncode == 2 and lines[0] == (
+        "rank 1: error: the file-size limit (ulimit -f) is 50.00 KiB: MPI's start-up writes shared-memory files of "
+        "several MiB and dies under it; raise it (ulimit -f unlimited, or at least 16 MiB)"), p.stderr
+    # MPICH: that line alone (the job ended through the launcher's PMI abort); Open MPI: rank 0 may say it waited
+    assert all("rank 1" in line and "ended before the ranks met" in line for line in lines[1:]), lines
+    assert took < 60
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_before_mpi_starts_is_named_by_the_others_at_the_deadline():
+    stopped = "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n" + TRAIN
+    p, took = start_up_case(stopped, "--collective-timeout", str(TIMEOUT))
+    print(f"exit {p.returncode} after {took:.1f} s\n{p.stderr}")
+    lines = llmz_lines(p.stderr)
+    assert p.returncode == TIMEOUT_EXIT and len(lines) == 1, p.stderr
+    assert re.match(rf"^rank 0: error: collective watchdog: MPI's start-up \(MPI_Init\) did not complete within "
+                    rf"--collective-timeout {TIMEOUT} s: rank 1 \(its process, pid \d+, is stopped: SIGSTOP, or a "
+                    rf"debugger, before MPI's start-up\) did not arrive$", lines[0]), lines[0]
+    assert took < 60 + TIMEOUT
+
+
+@pytest.mark.mpi
+def test_a_rank_that_ends_before_the_ranks_meet_is_named_by_the_others_at_once():
+    p, took = start_up_case("import sys, time\ntime.sleep(2)\nsys.exit(3)\n")     # no deadline: the default 600 s
+    print(f"exit {p.returncode} after {took:.1f} s\n{p.stderr}")
+    assert p.returncode != 0 and took < 60, (p.returncode, took)
+    if not is_open_mpi(mpiexec_version(find_mpiexec() or "")):      # Open MPI's mpirun ends the job itself
+        lines = llmz_lines(p.stderr)
+        assert len(lines) == 1 and lines[0].startswith("rank 0: error: rank 1 ") and \
+            "ended before the ranks met" in lines[0], p.stderr
+
+
 # ---- llmz.train itself: the issue's repro ------------------------------------------------------------------
 def train_and_freeze(tmp_path, nproc: int, stage: int, device: str = "cpu", timeout: float = TIMEOUT):
     """mpiexec -n nproc llmz.train (--comm mpi) on a small model, checkpointing every 5 steps; once 12 steps are

@@ -19,6 +19,8 @@ repository), an optional setup that makes the files it needs, and an expectation
              the collective, the step and the stopped rank ("did not arrive"), the last checkpoint loads
     ends     a non-zero exit within 10 s of the fault, no traceback (a killed rank: the launcher ends the job)
     signal   exit 128 + the signal within 10 s, one line "terminated by SIG... at step N; last checkpoint ..."
+    startup  a rank stopped before the ranks met: exit 124 within --collective-timeout + 10 s of the fault, a
+             line from the waiting ranks (at least one) naming MPI's start-up and the stopped rank
 
 plus post-checks (a file that must or must not exist, the log's end record). Always checked: no `*.tmp`
 file is left behind (but by a rank killed while writing one: watchdog and ends), `final.bin` (every train case passes `--save final.bin --log log.jsonl`) is absent
@@ -97,6 +99,10 @@ def diverge(*flags: str) -> list[str]:
                  *flags)
 
 
+def convert(*flags: str) -> list[str]:
+    return ["{python}", "-m", "llmz.convert", *flags]
+
+
 def sample(*flags: str) -> list[str]:
     return ["{python}", "-m", "llmz.sample", "--device", "cpu", "--tokens", "5", *flags]
 
@@ -135,6 +141,32 @@ def start_reduce_scatter(self, buf, op="avg"):
 comm.Communicator.start_reduce_scatter = start_reduce_scatter
 runpy.run_module("llmz.train", run_name="__main__", alter_sys=True)
 """
+
+
+# llmz.train as every rank runs it, but rank STOP (the first argument) stops itself (SIGSTOP) as it starts, before
+# its MPI library is loaded (a stop 0.4 s after launch, made exact), or, with "mpi", just before MPI_Init
+STOP_AT_START = """import os, runpy, signal, sys
+from llmz.run import launch
+rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+stop, where = sys.argv.pop(1).split(":")
+if rank == int(stop) and where == "start":
+    os.kill(os.getpid(), signal.SIGSTOP)
+init_thread = launch.init_thread
+def stop_first(MPI):
+    if rank == int(stop) and where == "mpi":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    init_thread(MPI)
+launch.init_thread = stop_first
+runpy.run_module("llmz.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def ranks_train_stopping_at_start(n: int, rank: int, where: str) -> list[str]:
+    """mpiexec -n n llmz.train (2 steps, the watchdog at WATCH_TIMEOUT s), rank `rank` stopping itself at start
+    ("start": before MPI is loaded; "mpi": just before MPI_Init)."""
+    cmd = [mpiexec(), "-n", str(n), *train("--collective-timeout", str(WATCH_TIMEOUT))]
+    at = cmd.index("-m")
+    return [*cmd[:at], "-c", STOP_AT_START, f"{rank}:{where}", *cmd[at + 2:]]
 
 
 def ranks_train_stopping_in_flight(n: int, stage: int) -> list[str]:
@@ -246,6 +278,10 @@ def make_fixtures(fx: Path, timeout: float) -> None:
     sparse(fx / "sparse_100g.bin", 100 * 2**30)
     os.mkfifo(fx / "fifo")
     (fx / "a_folder").mkdir()
+    # a Hugging Face folder of the tiny model (llmz.convert), for the cases that damage a copy of it
+    from llmz.convert import to_hf
+    to_hf(str(fx / "model.bin"), str(fx / "hf"))
+    (fx / "text.txt").write_text("To be, or not to be, that is the question:\n" * 40, encoding="utf-8")
 
 
 # ---- setups: files a case makes in its own folder {d} --------------------------------------------------
@@ -422,6 +458,61 @@ def data_per_folder(d: Path) -> None:
         write_tokens(str(d / name / "t.bin"), np.random.default_rng(seed).integers(0, 256, 5000))
 
 
+def hf_copy(damage=None):
+    """A copy of the fixture Hugging Face folder at d/hf, then damage(d / "hf")."""
+    def setup(d: Path) -> None:
+        shutil.copytree(d.parent / "fixtures" / "hf", d / "hf")
+        if damage:
+            damage(d / "hf")
+    return setup
+
+
+def deep_json() -> bytes:
+    return b"[" * 100_000 + b"]" * 100_000          # deeper than Python's JSON reader goes
+
+
+def safetensors_of(header: bytes) -> bytes:
+    return np.array([len(header)], "<u8").tobytes() + header
+
+
+def wrapping_shape(hf: Path) -> None:
+    """One tensor whose shape's product is 2^64, 0 in int64, as its data_offsets [0, 0] claim."""
+    head = {"transformer.wte.weight": {"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}}
+    (hf / "model.safetensors").write_bytes(safetensors_of(json.dumps(head).encode()))
+
+
+def trained_on_a_file_then_rewritten(d: Path) -> None:
+    """d/ck: two steps trained on d/t.bin; then t.bin rewritten with other tokens of the same count."""
+    write_tokens(str(d / "t.bin"), np.random.default_rng(1).integers(0, 256, 5000))
+    subprocess.run([a.replace("{python}", sys.executable) for a in train(
+        "--train-data", str(d / "t.bin"), "--checkpoint-dir", str(d / "ck"), "--save", str(d / "x.bin"),
+        "--log", str(d / "x.jsonl"))], cwd=d, env=child_env(), capture_output=True, check=True, timeout=300)
+    for junk in ("x.bin", "x.jsonl"):
+        (d / junk).unlink()
+    write_tokens(str(d / "t.bin"), np.random.default_rng(2).integers(0, 256, 5000))
+
+
+def big_data_per_folder(d: Path) -> None:
+    """Two folders, each with a t.bin of 35M tokens (70 MB), the same but for one token in the middle."""
+    tokens = np.random.default_rng(3).integers(0, 256, 35_000_000).astype(np.uint16)
+    for name in ("a", "b"):
+        (d / name).mkdir()
+        write_tokens(str(d / name / "t.bin"), tokens)
+        tokens[len(tokens) // 2 + 12345] ^= 1
+
+
+def other_runs_log(d: Path) -> None:
+    """other_run_checkpoint, and theirs.jsonl: the finished log of the run of d/ck's step 2 (6 steps, ended),
+    with a copy to compare it with afterwards."""
+    other_run_checkpoint(d)
+    rid = json.loads((d / "ck" / "step_000002" / "DONE").read_text())["run_id"]
+    records = [{"event": "start", "run_id": rid, "start_step": 0}] + [{"step": s, "loss": 5.0} for s in range(6)] + \
+        [{"event": "checkpoint", "step": 2, "path": "ck/step_000002"}, {"event": "end"}]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (d / "theirs.jsonl").write_text(text)
+    (d / "theirs.jsonl.orig").write_text(text)
+
+
 KEEP_ALIVE: list = []           # what a setup must keep open or unreaped until the checker ends
 
 
@@ -455,6 +546,21 @@ def stops_itself(rank: int):
             if process_state(pid)[0] == "T":
                 break
             time.sleep(0.05)
+        return time.monotonic()
+    return during
+
+
+def at_launch(rank: int, sig: int, after: float = 0.4):
+    """`after` seconds after the launch, once its process is there, send `sig` to one rank (before its MPI
+    library is loaded: the ranks have not met)."""
+    def during(proc, d: Path) -> float:
+        t0 = time.monotonic()
+        while proc.poll() is None:
+            pid = rank_pids(proc.pid).get(rank)
+            if pid is not None and time.monotonic() - t0 >= after:
+                os.kill(pid, sig)
+                break
+            time.sleep(0.01)
         return time.monotonic()
     return during
 
@@ -506,6 +612,21 @@ def log_ended(rel: str = "log.jsonl"):
         except (OSError, ValueError) as e:
             return f"{rel} unreadable ({e})"
         return None if any(r.get("event") == "end" for r in records) else f"{rel} has no end record"
+    return check
+
+
+def same_file(rel: str, other: str):
+    def check(d: Path) -> str | None:
+        return None if (d / rel).read_bytes() == (d / other).read_bytes() else f"{rel} was changed"
+    return check
+
+
+def log_notes(rel: str, words: str):
+    """The last start record of a log says `words` in its notes."""
+    def check(d: Path) -> str | None:
+        starts = [json.loads(line) for line in (d / rel).read_text().splitlines() if '"event": "start"' in line]
+        return None if starts and any(words in n for n in starts[-1].get("notes", [])) else \
+            f"{rel}'s start record does not say {words!r}"
     return check
 
 
@@ -567,7 +688,8 @@ def cases() -> list[Case]:
                         ("--grad-clip", "nan"), ("--final-lr-frac", "-1"), ("--max-loss", "0"),
                         ("--warmup-steps", "-5"), ("--val-every", "-1"), ("--seed", "-1"), ("--steps", "-3"),
                         ("--val-batches", "0"), ("--val-batches", "-1"), ("--max-seq-len", "0"),
-                        ("--vocab-size", "0"), ("--model", "")]:
+                        ("--vocab-size", "0"), ("--model", ""), ("--collective-timeout", "1e-9"),
+                        ("--collective-timeout", "0.5")]:
         add(f"train {flag} {value!r}", train(flag, value), "refuse")
     add("train --trace at ZeRO stage 0", train("--trace", "{d}/t.json"), "refuse")
     add("train --device gpu without a GPU", train("--device", "gpu"), "refuse")
@@ -829,6 +951,73 @@ def cases() -> list[Case]:
     add("2 ranks, SIGTERM to every rank (mpiexec forwards it)", ranks_train(2, 1), "signal",
         during=to_process(signal.SIGTERM), checks=[checkpoint_loads], timeout=300)
 
+    # before the ranks meet: a rank that cannot start MPI says why in its own line and ends the job; one stopped,
+    # killed or ended before the ranks met is named by the others (or the launcher ends the job)
+    limited = ["bash", "-c", 'ulimit -f 8000 && exec "$@"', "bash"]
+    for n, stage in [(2, 0), (2, 1), (2, 2), (2, 3), (3, 2)]:
+        flags = ("--zero-stage", str(stage))
+        rest = [":", "-n", str(n - 2), *train(*flags)] if n > 2 else []
+        add(f"mpiexec -n {n}, stage {stage}, rank 1 under ulimit -f 8000 (cannot start MPI: its own line)",
+            [mpiexec(), "-n", "1", *train(*flags), ":", "-n", "1", *limited, *train(*flags), *rest], "refuse",
+            timeout=60)
+    for n, rank, where in [(2, 1, "start"), (3, 2, "start"), (3, 0, "start"), (2, 1, "mpi"), (3, 0, "mpi")]:
+        words = {"start": "before MPI's start-up", "mpi": "inside MPI's start-up"}[where]
+        add(f"start-up watchdog: {n} ranks, rank {rank} stopped (SIGSTOP) {words} (before the ranks meet)",
+            ranks_train_stopping_at_start(n, rank, where), "startup", during=stops_itself(rank), ranks=n,
+            bound=WATCH_TIMEOUT + 10, names=rf"rank {rank} \(its process, pid \d+, is stopped: .*, {words}\)",
+            timeout=120)
+    add("start-up watchdog: 2 ranks, rank 1 stopped (SIGSTOP) 0.4 s after launch (before or after the ranks meet)",
+        [mpiexec(), "-n", "2", *train("--collective-timeout", str(WATCH_TIMEOUT))], "either-watchdog",
+        during=at_launch(1, signal.SIGSTOP), ranks=2, bound=WATCH_TIMEOUT + 10, timeout=120)
+    add("2 ranks, rank 1 killed (SIGKILL) 0.4 s after launch, before MPI starts", [mpiexec(), "-n", "2", *train()],
+        "ends", during=at_launch(1, signal.SIGKILL), timeout=120)
+    add("mpiexec -n 2, rank 1 ends (exit 3) before the ranks meet (named at once)",
+        [mpiexec(), "-n", "1", *train(), ":", "-n", "1", "{python}", "-c", "import sys, time; time.sleep(1); sys.exit(3)"],
+        "fail", timeout=60)
+
+    # a run's data known by its content; a log trimmed only by its own run
+    add("train --resume latest after the training file was rewritten (other text, the same token count)",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--train-data", "{d}/t.bin"), "refuse",
+        setup=trained_on_a_file_then_rewritten, timeout=120)
+    add("train --resume latest --resume-other-data after the training file was rewritten (goes on, says so)",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--train-data", "{d}/t.bin",
+                   "--resume-other-data"), "runs", setup=trained_on_a_file_then_rewritten, timeout=120,
+        run_checks=[log_ended(), log_notes("log.jsonl", "going on, as --resume-other-data says")])
+    add("mpiexec -n 2 with 70 MB files that differ in one token in the middle (a relative --train-data)",
+        [mpiexec(), "-n", "1", "-wdir", "{d}/a", *train("--train-data", "t.bin"), ":", "-n", "1", "-wdir", "{d}/b",
+         *train("--train-data", "t.bin")], "refuse", setup=big_data_per_folder, timeout=180)
+    add("train --resume latest --resume-other-run --log theirs.jsonl (another run's finished log)",
+        train_from("--resume", "latest", "--checkpoint-dir", "{d}/ck", "--steps", "6", "--resume-other-run", "--log",
+                   "{d}/theirs.jsonl"), "refuse", setup=other_runs_log,
+        checks=[same_file("theirs.jsonl", "theirs.jsonl.orig")])
+
+    # the last odd inputs: JSON nested 100,000 deep, a shape whose product wraps, a stdout that takes nothing,
+    # a refused conversion's folder, the longest prefix llmz.prepare takes
+    deep = deep_json()
+    to_new = ("--to-llmc", "{d}/new/out.bin")
+    add("convert a safetensors header nested 100,000 deep", convert("{d}/hf", *to_new), "fail",
+        setup=hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(safetensors_of(deep))), checks=[absent("new")])
+    add("convert a config.json nested 100,000 deep", convert("{d}/hf", *to_new), "refuse",
+        setup=hf_copy(lambda hf: (hf / "config.json").write_bytes(deep)), checks=[absent("new")])
+    add("convert a tensor whose shape's product wraps to 0 in int64", convert("{d}/hf", *to_new), "fail",
+        setup=hf_copy(wrapping_shape), checks=[absent("new")])
+    add("convert a NaN model --to-hf out (leaves no out/)", convert(f"{fx}/model_nan.bin", "--to-hf", "{d}/out"),
+        "fail", checks=[absent("out")])
+    add("convert the tiny model --to-hf new/hf (baseline)", convert(f"{fx}/model.bin", "--to-hf", "{d}/new/hf"), "runs",
+        run_checks=[exists("new/hf/config.json"), exists("new/hf/model.safetensors")])
+    add("python -m llmz.doctor > /dev/full", ["bash", "-c", '"$@" > /dev/full', "bash", "{python}", "-m", "llmz.doctor"],
+        "fail")
+    prefix = "p" * 241
+    add("prepare -o a 241-character prefix (its final names fit in 255)",
+        ["{python}", "-m", "llmz.prepare", f"{fx}/text.txt", "-o", f"{{d}}/{prefix}"], "runs",
+        run_checks=[exists(f"{prefix}_{part}.bin") for part in ("train", "val", "tokenizer")])
+    add("train --log whose first line is JSON nested 100,000 deep", train("--log", "{d}/deep.jsonl"), "refuse",
+        setup=lambda d: (d / "deep.jsonl").write_bytes(deep + b"\n"))
+    add("checkpoint DONE nested 100,000 deep", train_from("--resume", "{d}/ck/step_000002"), "either",
+        setup=lambda d: (copy_checkpoint(d) / "DONE").write_bytes(deep), run_checks=survive)
+    add("train --checkpoint-dir whose lock file is nested 100,000 deep", train("--checkpoint-dir", "{d}/ck"), "either",
+        setup=lambda d: (d / "ck").mkdir() or (d / "ck" / "llmz.lock").write_bytes(deep), run_checks=survive)
+
     # two ranks: a bad flag must end the whole job at once
     mpi = [mpiexec(), "-n", "2"]
     add("mpiexec -n 2 train --steps -3", [*mpi, "{python}", "-m", "llmz.train", "--steps", "-3"], "refuse",
@@ -884,6 +1073,23 @@ def judge_fault(case: Case, rc: int, err_lines: list[str], took: float | None) -
         if not all(re.search(case.names, line) for line in err_lines):
             return "WRONG", f"the line does not say /{case.names}/: {err_lines[0]}"
         return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
+    if case.expect == "either-watchdog":       # a stop whose moment the load decides: before or after MPI_Init
+        pattern = re.compile(r"^rank \d+: error: collective watchdog: .*: .*rank \d+ \(.*\) did not arrive$")
+        if rc != TIMEOUT_EXIT:
+            return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
+        if not 1 <= len(err_lines) <= case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
+            return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
+        return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
+    if case.expect == "startup":
+        pattern = re.compile(r"^rank \d+: error: collective watchdog: MPI's start-up \(MPI_Init\) did not complete "
+                             r"within --collective-timeout \S+ s: .*rank \d+ \(.*\) did not arrive$")
+        if rc != TIMEOUT_EXIT:
+            return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
+        if not 1 <= len(err_lines) <= case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
+            return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
+        if not all(re.search(case.names, line) for line in err_lines):
+            return "WRONG", f"the line does not say /{case.names}/: {err_lines[0]}"
+        return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
     if case.expect == "ends":
         return ("OK", f"exit {rc} {took:.1f} s after the kill" + (f": {err_lines[0]}" if err_lines else "")) \
             if rc else ("WRONG", "exit 0 after a rank was killed")
@@ -903,7 +1109,7 @@ def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str],
         last = [line for line in (out + err).splitlines() if line.strip()]
         return "TRACEBACK", last[-1] if last else ""
     err_lines = [line for line in err.splitlines() if line.strip()]
-    if case.expect in ("watchdog", "ends", "signal"):
+    if case.expect in ("watchdog", "ends", "signal", "startup", "either-watchdog"):
         cls, what = judge_fault(case, rc, err_lines, took)
         return ("WRONG", "; ".join(problems)) if cls == "OK" and problems else (cls, what)
     started = any(STARTED.match(line) for line in out.splitlines())
@@ -921,7 +1127,7 @@ def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str],
         return "WRONG", f"refused (exit {rc}), should run: {err_lines[-1] if err_lines else '(no message)'}"
     if not err_lines:
         return "MULTILINE", f"exit {rc} with no error line"
-    line = err_lines[-1]
+    line = re.sub(r"^rank \d+: ", "", err_lines[-1])     # a rank's own line: "rank R: error: ..."
     if not line.startswith("error:"):
         return "MULTILINE", f"last stderr line is not 'error: ...': {line}"
     if len(err_lines) > 1:
@@ -944,7 +1150,7 @@ def run_case(case: Case, root: Path, n: int, timeout: float) -> tuple[str, str, 
            for a in case.argv]
     rc, out, err, secs, took = run(cmd, d, case.timeout or timeout, case.during)
     # a rank stopped then killed (watchdog, ends) may leave the temporary file it was writing: never a final name
-    always = [] if case.expect in ("watchdog", "ends") else [no_tmp_files]
+    always = [] if case.expect in ("watchdog", "ends", "startup", "either-watchdog") else [no_tmp_files]
     problems = [p for check in case.checks + always for p in [check(d)] if p]
     problems += [p for p in [all_saved_finite(d, case.planted)] if p]
     if rc == 0:

@@ -16,7 +16,8 @@ import os
 import numpy as np
 
 from ..config import GPT2Config, TrainConfig, default_model, preset
-from ..errors import LlmzError
+from ..data import DIGEST, SHOWN
+from ..errors import AgreedError, LlmzError
 from ..layout import Layout, init_parameters
 from . import model_file, state
 
@@ -68,6 +69,31 @@ def start(cfg: TrainConfig, kind: str, tok, world_size: int,
         raise LlmzError(f"the model (V={config.vocab_size}, maxT={config.max_seq_len}) does not fit the "
                         f"tokenizer ({tok.vocab_size} tokens) or -t {cfg.seq_len}")
     return config, layout, params
+
+
+def check_data(cfg: TrainConfig, resumed, data: dict) -> list[str]:
+    """The data of a resumed run against its checkpoint's (data: llmz.data.check_same_data's {flag: [[name,
+    size, SHA-256], ...]}): a file under a name the checkpoint's data had, with other bytes, is refused in one
+    line naming both digests (the run would go on at its position in other text), unless --resume-other-data,
+    which turns it into a note (printed, and in the log's start record). Files under other names are
+    --train-data's "changed:" note (restore). Checkpoints from before digests are not compared."""
+    saved = resumed.meta.get("data_files") if resumed is not None else None
+    if not isinstance(saved, dict):
+        return []
+    notes = []
+    for flag, files in data.items():
+        before = {f[0]: f for f in saved.get(flag, []) if isinstance(f, list) and len(f) == 3}
+        for name, size, digest in files:
+            if name not in before or before[name][2] == digest:
+                continue
+            line = (f"{flag} {name} is not the file checkpoint {resumed.path} was trained on: {DIGEST} "
+                    f"{digest[:SHOWN]} now ({size:,} bytes), {str(before[name][2])[:SHOWN]} then "
+                    f"({before[name][1]:,} bytes)")
+            if not cfg.resume_other_data:
+                raise AgreedError(f"{line}; the run would go on at its position in other data: restore the file, "
+                                  f"or add --resume-other-data to go on anyway", 2)
+            notes.append(f"note: {line}; going on, as --resume-other-data says")
+    return notes
 
 
 def restore_loader(loader, saved: dict, path: str) -> list[str]:
@@ -135,7 +161,8 @@ class Checkpoints:
                 "zero_stage": cfg.zero_stage, "precision": cfg.precision,
                 "config": run.model.config.to_dict(), "flags": resume_flags(cfg),
                 "data": run.train_loader.state(), "rng": run.sampler.rng.bit_generator.state,
-                "buckets": state.shard_table(run.layout, self.rank), "run_id": run.run_id}
+                "buckets": state.shard_table(run.layout, self.rank), "run_id": run.run_id,
+                "data_files": run.data}
         state.write_state(state.state_path(folder, self.rank), meta, run.zero.state_slices(host))
         run.comm.barrier()                    # every rank's file is in place
         if self.rank == 0:

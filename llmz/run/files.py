@@ -108,8 +108,13 @@ def read_bytes(f, n: int, path: str, what: str) -> bytes:
     return raw
 
 
-def read_array(f, dtype, count: int, path: str, what: str):
-    """`count` values of `dtype` from the file's position, into a new NumPy array, read in place."""
+HASH_CHUNK = 64 << 20       # read_array with a hash: bytes read while the previous piece is hashed
+
+
+def read_array(f, dtype, count: int, path: str, what: str, hasher=None):
+    """`count` values of `dtype` from the file's position, into a new NumPy array, read in place. hasher (a
+    hashlib object): updated with the bytes as they come, each HASH_CHUNK piece hashed by a thread while the
+    next is read (hashlib lets go of the GIL), so that the digest costs about what the slower of the two costs."""
     dtype = np.dtype(dtype)
     nbytes = count * dtype.itemsize
     check_memory(nbytes, f"{path}: reading this {what}")
@@ -117,17 +122,42 @@ def read_array(f, dtype, count: int, path: str, what: str):
         out = np.empty(count, dtype)
     except MemoryError:
         raise LlmzError(f"{path}: out of memory reading {fmt_bytes(nbytes)} of this {what}") from None
-    view, at = memoryview(out).cast("B"), 0
+    read_into(f, memoryview(out).cast("B"), path, what, hasher)
+    return out
+
+
+def read_into(f, view: memoryview, path: str, what: str, hasher=None) -> None:
+    """Fill the bytes of `view` from the file's position (read_array's loop; hasher as there)."""
+    from concurrent.futures import ThreadPoolExecutor
+    nbytes, at = len(view), 0
+    pool = ThreadPoolExecutor(1, thread_name_prefix="llmz-hash") if hasher is not None else None
+    hashed = []
     try:
         while at < nbytes:
-            got = f.readinto(view[at:])
+            got = f.readinto(view[at:at + HASH_CHUNK] if pool else view[at:])
             if not got:
                 raise LlmzError(f"{path}: truncated while reading: {at} of {nbytes} payload bytes "
                                 "(did the file change?)")
+            if pool:
+                hashed.append(pool.submit(hasher.update, view[at:at + got]))     # in order: one thread
             at += got
     except OSError as e:
         raise LlmzError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    return out
+    finally:
+        if pool:
+            pool.shutdown(wait=True)
+    for h in hashed:
+        h.result()
+
+
+def loads_json(text):
+    """json.loads, where a text nested too deep for Python's parser (a file of 100,000 brackets raises
+    RecursionError) is a json.JSONDecodeError like any other bad JSON: every reader's one line covers it."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply for this reader", text if isinstance(text, str) else "",
+                                   0) from None
 
 
 # ---- llm.c's headers: 256 int32, the first a magic number -------------------------------------------------
@@ -278,18 +308,48 @@ def atomic_write(path: str, parts: Sequence) -> None:
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
-def _make_folder(folder: str, flag: str, path: str) -> None:
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({e.strerror or e})") from None
+def _make_folder(folder: str, flag: str, path: str, create: bool = True) -> None:
+    """Create `folder` (and its parents) and check it can be written in; create=False: check only that it
+    could be (its nearest existing ancestor is a folder this process can write in), creating nothing."""
+    if not create:
+        at = os.path.abspath(folder)
+        while not os.path.exists(at) and os.path.dirname(at) != at:
+            at = os.path.dirname(at)
+        if not os.path.isdir(at):
+            raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({at} is not a folder)")
+        folder = at
+    else:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise LlmzError(f"{flag} {path}: cannot create the folder {folder} ({e.strerror or e})") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise LlmzError(f"{flag} {path}: cannot write in {folder} (permission denied)")
 
 
-def prepare_output(path: str, flag: str) -> None:
+def make_folders(folder: str) -> list[str]:
+    """os.makedirs(folder), returning the folders it created, deepest first (remove_folders undoes it)."""
+    made, at = [], os.path.abspath(folder)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        made.append(at)
+        at = os.path.dirname(at)
+    os.makedirs(folder, exist_ok=True)
+    return made
+
+
+def remove_folders(made: list[str]) -> None:
+    """Remove the folders make_folders created, where still empty: a command that failed leaves nothing."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
+def prepare_output(path: str, flag: str, create: bool = True) -> None:
     """At start, for an output FILE a flag names: refuse a folder or a non-regular file under that name,
-    create the parent folders, and check that they can be written to."""
+    create the parent folders, and check that they can be written to (create=False: that they could be
+    created; the command makes them when it writes, so that a failure before leaves nothing behind)."""
     if not path:
         raise LlmzError(f"{flag}: empty file name")
     check_name(path, flag)
@@ -299,18 +359,19 @@ def prepare_output(path: str, flag: str) -> None:
         raise LlmzError(f"{flag} {path}: is a folder; name a file")
     if os.path.exists(path) and not os.path.isfile(path):
         raise LlmzError(f"{flag} {path}: exists and is not a regular file (a device or FIFO?); name a file")
-    _make_folder(os.path.dirname(os.path.abspath(path)), flag, path)
+    _make_folder(os.path.dirname(os.path.abspath(path)), flag, path, create)
 
 
-def prepare_folder(path: str, flag: str) -> None:
+def prepare_folder(path: str, flag: str, create: bool = True) -> None:
     """At start, for an output FOLDER a flag names (--checkpoint-dir): create it (and its parents); refuse a
-    file there, or a path so long that the files a checkpoint writes inside would not fit PATH_MAX."""
+    file there, or a path so long that the files a checkpoint writes inside would not fit PATH_MAX.
+    create=False: check that it could be created, as prepare_output."""
     if not path:
         raise LlmzError(f"{flag}: empty folder name")
     check_name(path, flag, inside=CHECKPOINT_ENTRY)
     if os.path.exists(path) and not os.path.isdir(path):
         raise LlmzError(f"{flag} {path}: exists and is not a folder")
-    _make_folder(path, flag, path)
+    _make_folder(path, flag, path, create)
 
 
 def holder(path: str) -> str:
@@ -367,7 +428,7 @@ def check_log(path: str, flag: str = "--log") -> None:
         while line := f.readline(1 << 20):
             n += 1
             try:
-                rec = json.loads(line)
+                rec = loads_json(line)
             except ValueError:
                 rec = None
             if isinstance(rec, dict) and (n > 1 or rec.get("event") == "start"):
@@ -389,10 +450,11 @@ class JsonLog:
     and this run writes those steps again): step and val records of steps >= S, checkpoint records after S,
     end records, and a torn last line. `dropped` counts them. The file is locked (flock) while it is open:
     a second run that names it otherwise (a symlink, a hard link) is refused, and nothing is truncated or
-    trimmed before the lock is held."""
+    trimmed before the lock is held. run_id: the resuming run's; a log whose last start record names another
+    run is not this run's to trim (llmz.run.state.check_run_identity refused it at start): refused here too."""
 
-    def __init__(self, path: str, resume_step: int | None = None):
-        self.path, self.dropped = path, 0
+    def __init__(self, path: str, resume_step: int | None = None, run_id: str | None = None):
+        self.path, self.dropped, self.run_id = path, 0, run_id
         what = f"log {path}"
         try:
             self.f = open(path, "a")            # noqa: SIM115  (closed by close()); truncated once locked
@@ -409,14 +471,16 @@ class JsonLog:
     def _drop_after(self, step: int) -> int:
         with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-        keep = []
+        keep, theirs = [], None
         for i, line in enumerate(lines):
             try:
-                rec = json.loads(line)
+                rec = loads_json(line)
             except ValueError:
                 rec = None
             if not isinstance(rec, dict) and i < len(lines) - 1:    # check_log refused these at start
                 raise LlmzError(f"{self.path}: line {i + 1} is not a log record (changed since the start?)")
+            if isinstance(rec, dict) and rec.get("event") == "start":
+                theirs = rec.get("run_id")
             past = not isinstance(rec, dict) or rec.get("event") == "end" or (
                 isinstance(rec.get("step"), int) and (rec["step"] > step if rec.get("event") == "checkpoint"
                                                       else rec["step"] >= step))
@@ -424,6 +488,9 @@ class JsonLog:
                 self.dropped += 1
             else:
                 keep.append(line + "\n")
+        if self.dropped and isinstance(theirs, str) and self.run_id and theirs != self.run_id:
+            raise LlmzError(f"{self.path}: the log of run {theirs}, not of this run ({self.run_id}): not trimmed; "
+                            f"name a new --log")
         if self.dropped:
             atomic_write(self.path, ["".join(keep).encode()])
         return self.dropped

@@ -13,6 +13,19 @@ line from rank 0 and the same exit status, no abort needed.
 Every collective between ranks, the start-up's too, has a deadline (llmz.run.watchdog): a rank that stops
 is named by the others, not waited for. SIGTERM and SIGHUP end a run as Ctrl-C does: one line, saying where.
 
+Before the ranks meet. MPI's start-up (MPI_Init) waits for every rank, and until it completes no collective,
+no MPI_Abort, can tell one rank about another. So:
+  - what must be known before MPI starts (the file-size limit MPI's shared memory needs, mpi4py's MPI
+    library) is checked by each rank for itself, and a rank that cannot start says so in its own line
+    (`rank R: error: ...`; once, without the rank, where every rank of the job fails alike) and ends the job
+    itself (`cannot_start`): under MPICH's Hydra through the launcher's PMI socket ("cmd=abort", what
+    MPI_Abort sends), under Open MPI by its non-zero exit, which makes mpirun end the job;
+  - MPI_Init runs under the collective deadline (llmz.run.watchdog.StartupWatch): a rank of this host that ends
+    before the ranks met is named at once, one that stops (or hangs) before or inside MPI_Init once it has
+    made no progress for --collective-timeout; ranks on other hosts cannot be seen before MPI is up, and are
+    named as such at the deadline;
+  - everything else (the flags, the files they name, the locks) waits until the ranks have met: `agree`.
+
 Importing this module is cheap: mpi4py is imported inside `init_ranks` only, which checks what MPI's start-up
 needs before it starts MPI (MPI_Init_thread).
 """
@@ -29,16 +42,19 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from llmz.errors import INTERRUPTED_EXIT, AgreedError, LlmzError
 from llmz.run.environment import lone_rank_line
 from llmz.run.threads import share_cores
-from llmz.run.watchdog import Watch, abort_job, say_line
+from llmz.run.watchdog import StartupWatch, Watch, abort_job, pmi_abort, say_line
 
 ABORT_GRACE_S = 0.5          # seconds between printing the error line and MPI_Abort
 # set by launchers that start several ranks: a rank that sees one of these must not run alone
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 _LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# the ranks the launcher starts on this host (MPICH's Hydra, Open MPI)
+_LAUNCHER_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 # MPI's start-up writes shared-memory files (MPICH over UCX: 4.1 MiB each, measured); under a smaller
 # file-size limit (ulimit -f) it dies with a stack of MPI and UCX errors, so llmz refuses first, in one line
 MPI_MIN_FILE_SIZE = 16 << 20
@@ -73,11 +89,31 @@ def _launcher_rank() -> int:
     return 0
 
 
-def file_size_limit() -> int | None:
-    """The soft limit on the size of a file this process writes (ulimit -f), in bytes; None: unlimited."""
-    import resource
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return None if soft == resource.RLIM_INFINITY else soft
+def _launcher_local_size() -> int | None:
+    """How many ranks the launcher starts on this host (None: it does not say)."""
+    for var in _LAUNCHER_LOCAL_SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def file_size_limit(pid: int | None = None) -> int | None:
+    """The soft limit on the size of a file this process (or process `pid` of this host, from
+    /proc/PID/limits) writes (ulimit -f), in bytes; None: unlimited, or not known."""
+    if pid is None:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        return None if soft == resource.RLIM_INFINITY else soft
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            soft = next(line for line in f if line.startswith("Max file size")).split()[3]
+    except (OSError, StopIteration, IndexError):
+        return None
+    return int(soft) if soft.isdigit() else None
+
+
+def _mpi_too_small(limit: int | None) -> bool:
+    return limit is not None and limit < MPI_MIN_FILE_SIZE
 
 
 def init_ranks(collective_timeout: float | None = None) -> RankInfo:
@@ -85,12 +121,13 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     collective_timeout: the deadline of the start-up's collectives (llmz.run.watchdog; None: its default)."""
     n = _launcher_world_size()
     limit = file_size_limit()
-    if limit is not None and limit < MPI_MIN_FILE_SIZE:
+    if _mpi_too_small(limit):
         if n > 1:
             from ..config import fmt_bytes
-            raise LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up writes "
-                            f"shared-memory files of several MiB and dies under it; raise it (ulimit -f "
-                            f"unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)")
+            cannot_start(LlmzError(f"the file-size limit (ulimit -f) is {fmt_bytes(limit)}: MPI's start-up "
+                                   f"writes shared-memory files of several MiB and dies under it; raise it (ulimit "
+                                   f"-f unlimited, or at least {MPI_MIN_FILE_SIZE >> 20} MiB)"),
+                         alike=lambda pid: _mpi_too_small(file_size_limit(pid)))
         share_cores(1)
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))  # no MPI needed
     try:
@@ -98,14 +135,21 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
         mpi4py.rc.initialize = False        # MPI_Init_thread below, once the limit above is known to be fine
         mpi4py.rc.finalize = True
         from mpi4py import MPI
-        if not MPI.Is_initialized():
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)    # the NCCL watchdog thread reads the boards too
     except Exception as e:  # noqa: BLE001  (mpi4py absent, or its MPI library fails to load)
         if n > 1:
-            raise LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({e}); "
-                            "install llmz[mpi]") from None
+            cannot_start(LlmzError(f"started as one of {n} ranks but mpi4py cannot load MPI ({_first_line(e)}); "
+                                   "install llmz[mpi]"),
+                         alike=_same_python)
         share_cores(1)
         return RankInfo(0, 1, 0, 1, socket.gethostname(), Watch(timeout=collective_timeout))
+    local = {}
+    if not MPI.Is_initialized():
+        if n > 1:                           # MPI_Init under the deadline, watching this host's other ranks
+            local = local_ranks()
+            StartupWatch(collective_timeout, _launcher_rank(), n, local, _launcher_local_size(), local_ranks).run(
+                lambda: init_thread(MPI))
+        else:
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)    # the NCCL watchdog thread reads the boards too
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     hostname = MPI.Get_processor_name()
@@ -114,7 +158,7 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
             raise LlmzError(lone_rank_line(_launcher_world_size(), MPI.Get_library_version()))
         share_cores(1)
         return RankInfo(0, 1, 0, 1, hostname, Watch(timeout=collective_timeout))
-    watch = Watch(world, collective_timeout)        # gathers every rank's host: a collective
+    watch = Watch(world, collective_timeout, local)  # gathers every rank's host: a collective
     atexit.register(watch.close)                    # before MPI_Finalize (registered when MPI started)
     # local rank: how many ranks before me share my host (llm.c gathers hostname hashes the same way)
     hosts = watch.hosts
@@ -124,44 +168,148 @@ def init_ranks(collective_timeout: float | None = None) -> RankInfo:
     return RankInfo(rank, size, local_rank, local_size, hostname, watch)
 
 
-def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of the ranks a launcher (mpiexec, started as launcher_pid) runs on this host, Linux: the
-    Python processes under it whose environment holds the launcher's PMI_RANK or OMPI_COMM_WORLD_RANK. For
-    tests and tools that stop or kill one rank of a job."""
+def init_thread(MPI) -> None:
+    """MPI_Init_thread(THREAD_MULTIPLE) (the NCCL watchdog thread reads the boards too), called through ctypes,
+    which lets go of the GIL while it waits (mpi4py's MPI.Init_thread holds it): the start-up watchdog's
+    thread runs meanwhile. mpi4py finds MPI initialised and goes on as if it had done it (rc.finalize: it
+    finalises at exit). Where the symbol cannot be found, mpi4py's call (no deadline then)."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPI_Init_thread     # the extension's handle reaches its libmpi
+    except (OSError, AttributeError):
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    provided = ctypes.c_int(-1)
+    code = fn(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE), ctypes.byref(provided))
+    if code != 0 or not MPI.Is_initialized():
+        raise LlmzError(f"MPI_Init_thread failed (error {code})")
+
+
+# ---- this host's ranks, from /proc, before MPI is up ------------------------------------------------------------
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process of this host (Linux /proc; {} elsewhere)."""
     parent = {}
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return parent
+    for name in names:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat") as f:
                     parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
+    return parent
+
+
+def _environ(pid: int) -> dict[bytes, bytes] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return None
+
+
+def _rank_in(env: dict | None) -> int | None:
+    """The launcher's rank in a process's environment (None: not a rank)."""
+    for v in _LAUNCHER_RANK_VARS:
+        if env and env.get(v.encode(), b"").isdigit():
+            return int(env[v.encode()])
+    return None
+
+
+def rank_pids(launcher_pid: int, parent: dict[int, int] | None = None) -> dict[int, int]:
+    """{rank: pid} of the ranks a launcher (mpiexec, started as launcher_pid) runs on this host, Linux: the
+    Python processes under it whose environment holds the launcher's PMI_RANK or OMPI_COMM_WORLD_RANK (a
+    process a rank started, which inherits its rank, is not one). For tests and tools that stop or kill one
+    rank of a job, and for a rank to see the others of its host before MPI is up (local_ranks)."""
+    parent = _parents() if parent is None else parent
 
     def under_launcher(pid: int) -> bool:
         while pid in parent and pid != launcher_pid:
             pid = parent[pid]
         return pid == launcher_pid
 
-    ranks = {}
+    found = {}
     for pid in parent:
         if pid == launcher_pid or not under_launcher(pid):
             continue
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 python = os.path.basename(f.read().split(b"\0")[0]).startswith(b"python")
         except OSError:
             continue
-        rank = next((env[v.encode()] for v in _LAUNCHER_RANK_VARS if v.encode() in env), None)
-        if python and rank is not None:
-            ranks[int(rank)] = pid
+        rank = _rank_in(_environ(pid)) if python else None
+        if rank is not None:
+            found[pid] = rank
+    return {rank: pid for pid, rank in found.items() if found.get(parent.get(pid)) != rank}
+
+
+def _launcher_pid(parent: dict[int, int] | None = None) -> int | None:
+    """The launcher's process on this host (the nearest ancestor that is not a rank itself: Hydra's
+    hydra_pmi_proxy, Open MPI's prted, orted or mpirun), or None where /proc cannot say."""
+    parent = _parents() if parent is None else parent
+    launcher = parent.get(os.getpid())
+    while launcher is not None and launcher > 1 and _rank_in(_environ(launcher)) is not None:
+        launcher = parent.get(launcher)             # a wrapper (bash -c ...) that is a rank too
+    return launcher if launcher is not None and launcher > 1 else None
+
+
+def local_ranks() -> dict[int, int]:
+    """{rank: pid} of this job's ranks on this host, this one included, before MPI is up: the ranks under the
+    launcher's process here (_launcher_pid), of this job's size. Only this rank where /proc cannot say."""
+    me, rank, size = os.getpid(), _launcher_rank(), _launcher_world_size()
+    parent = _parents()
+    launcher = _launcher_pid(parent)
+    if launcher is None:
+        return {rank: me}
+    ranks = {r: pid for r, pid in rank_pids(launcher, parent).items() if _size_in(pid) == size}
+    ranks[rank] = me
     return ranks
 
 
+def _size_in(pid: int) -> int | None:
+    env = _environ(pid) or {}
+    for v in _LAUNCHER_SIZE_VARS:
+        if env.get(v.encode(), b"").isdigit():
+            return int(env[v.encode()])
+    return None
+
+
+def _same_python(pid: int) -> bool:
+    """Does process `pid` run the Python this one runs (so that what fails here fails there alike)?"""
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == os.readlink("/proc/self/exe")
+    except OSError:
+        return False
+
+
+# ---- a rank that cannot start MPI ------------------------------------------------------------------------------
+def cannot_start(e: LlmzError, alike) -> NoReturn:
+    """This rank cannot start MPI (e says why), and the others wait for it inside MPI_Init, where nothing can
+    tell them: it says why in its own line, `rank R: error: ...`, and ends the job itself (pmi_abort; under
+    Open MPI its non-zero exit does). Where every rank of the job runs on this host and fails alike (alike(pid)
+    holds for every other rank still running: its file-size limit, its Python; one no longer running failed
+    before this one looked, at the same first check), no rank waits: rank 0 says it once, without its rank,
+    and every rank exits. Exit status 2 (a refusal at start); never returns."""
+    rank, size = _launcher_rank(), _launcher_world_size()
+    if _launcher_local_size() == size and all(alike(pid) for pid in local_ranks().values()):
+        if rank == 0:
+            say_line(f"error: {e}")
+        else:                               # Open MPI ends the job at the first non-zero exit: let it be said
+            time.sleep(ABORT_GRACE_S)
+        raise SystemExit(2)
+    say_line(f"rank {rank}: error: {e}")
+    time.sleep(ABORT_GRACE_S)               # the launcher forwards the line; another rank failing says its own
+    pmi_abort(2)
+    raise SystemExit(2)
+
+
 def start_failed(e: LlmzError) -> int:
-    """init_ranks refused to start (before MPI is up, so no rank can speak for the others): the line once,
-    from the launcher's rank 0; status 2 on every rank."""
+    """init_ranks refused to start once MPI was up in a world of one rank (the mpiexec of another MPI: every
+    rank is alone, and fails alike): the line once, from the launcher's rank 0; status 2 on every rank. (A
+    rank that cannot start MPI at all says so itself: cannot_start.)"""
     if _launcher_rank() == 0:
         print(f"error: {e}", file=sys.stderr, flush=True)
     return 2

@@ -26,7 +26,7 @@ import time
 
 from ..errors import LlmzError, UsageError
 from .environment import process_state
-from .files import check_log, check_not_written, fit_name
+from .files import check_log, check_not_written, fit_name, loads_json
 
 
 def _alive(owner: dict) -> bool:
@@ -70,7 +70,7 @@ class Lock:
     def _owner(self) -> dict | None:
         try:
             with open(self.path) as f:
-                owner = json.loads(f.read(4096) or "null")
+                owner = loads_json(f.read(4096) or "null")
             return owner if isinstance(owner, dict) else {}
         except FileNotFoundError:
             return None
@@ -84,6 +84,9 @@ class Lock:
             owner = self._owner()
             if owner is None:        # released meanwhile
                 continue
+            if not owner.get("host"):   # not a lock record: damaged, or written this instant by another run
+                raise LlmzError(f"{self.what} is locked, but its lock file {self.path} names no owner (damaged, or "
+                                f"another run writing it this instant): if no run uses it, delete {self.path}")
             if owner.get("host") != socket.gethostname():
                 raise LlmzError(f"{self.what} is locked by {_describe(owner)} ({self.path}); another host "
                                 f"cannot tell from here whether that run still lives: if it does not, "
@@ -133,7 +136,7 @@ def take_locks(args, locks: list) -> list[str]:
     notes = []
     wanted = []
     if args.checkpoint_dir:
-        wanted.append((os.path.join(args.checkpoint_dir, "llmz.run.lock"), f"checkpoint folder {args.checkpoint_dir}"))
+        wanted.append((os.path.join(args.checkpoint_dir, "llmz.lock"), f"checkpoint folder {args.checkpoint_dir}"))
     if args.log:
         wanted.append((fit_name(os.path.realpath(args.log), ".lock"), f"log {args.log}"))
     try:

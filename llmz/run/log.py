@@ -1,7 +1,8 @@
 """What a training run says: its lines on rank 0's stdout and, with --log FILE.jsonl, one JSON object a line
 (flushed line by line; a new run starts the file, a resumed run continues it, llmz.run.files.JsonLog):
 
-    {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from"}
+    {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from",
+     "data", "notes"}
     {"step", "val_loss"}                                 every --val-every steps and at the last
     {"step", "loss", "lr", "grad_norm", "ms", "tokens_per_s", "elapsed_s", "eta_s"[, "mfu"]}    every step
                                                          (stdout: a line every --print-every steps)
@@ -10,7 +11,9 @@
     {"event": "end", "first_loss", "final_loss", "val_losses", "mean_ms", "tokens_per_s", "elapsed_s"}
 
 "args" holds every setting (llmz.config.TrainConfig: the flags' names without dashes), "memory" llmz.memory's
-report. MFU is llm.c's: 6 * parameters + 6 * L * C * T flops per token against the card's dense peak.
+report, "data" every token file read, {"--train-data": [[name, bytes, SHA-256 hex], ...], "--val-data": [...]},
+"notes" the lines the run began with that say what it decided (a resume, a stale lock taken over, a data file
+changed under its name and --resume-other-data). MFU is llm.c's: 6 * parameters + 6 * L * C * T flops per token against the card's dense peak.
 """
 from __future__ import annotations
 
@@ -108,13 +111,14 @@ class RunLog:
         if start >= cfg.steps:
             self.say(f"nothing to train: the checkpoint is at step {start}, --steps is {cfg.steps}")
         if self.main and cfg.log:
-            self.file = JsonLog(cfg.log, resume_step=start if run.resumed else None)
+            self.file = JsonLog(cfg.log, resume_step=start if run.resumed else None, run_id=run.run_id)
             if self.file.dropped:
                 self.say(f"resume: {cfg.log}: dropped {self.file.dropped} record(s) an earlier attempt wrote "
                          f"past step {start}")
             self.write({"event": "start", "run_id": run.run_id, "config": c.to_dict(), "args": cfg.to_dict(),
                         "world_size": ranks.world_size, "memory": run.memory, "start_step": start,
-                        "resumed_from": run.resumed.path if run.resumed else None})
+                        "resumed_from": run.resumed.path if run.resumed else None, "data": run.data,
+                        "notes": notes + run.notes})
         self.progress = Progress(cfg.steps, start)
 
     def val(self, step: int, loss: float) -> None:

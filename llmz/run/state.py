@@ -13,7 +13,8 @@ Training-state file (little-endian):
     JSON    n bytes of UTF-8: step (optimizer steps done), world size, rank, ZeRO stage, precision, the model
             config, the flags that shape training, the data loader state, the RNG state (numpy's bit
             generator), this rank's slice of every bucket ([name, size, start, end]), the arrays that
-            follow ({name, dtype, count, crc32}), and the run id (below)
+            follow ({name, dtype, count, crc32}), the run id (below), and the data the run read,
+            data_files: {"--train-data": [[name, bytes, SHA-256 hex], ...], "--val-data": [...]}
     zeros   up to a multiple of 8 bytes
     arrays  params, m, v back to back: each is slice r of every bucket (llmz.layout), bucket by bucket,
             in the precision training ran in (so a float64 run resumes bit-exactly; model.bin is fp32)
@@ -51,6 +52,7 @@ from .files import (
     atomic_write,
     check_header,
     check_size,
+    loads_json,
     read_array,
     read_bytes,
     read_header,
@@ -136,6 +138,9 @@ def _check_meta(path: str, meta) -> tuple[GPT2Config, Layout]:
             bad(f"{key} is missing or not an object")
     if not isinstance(meta.get("run_id", ""), str):
         bad(f"run id {meta['run_id']!r} is not a string")
+    files = meta.get("data_files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, list) for v in files.values()):
+        bad(f"data_files {files!r} is not an object of lists")
     # the model config
     cfg = meta.get("config")
     names = [f.name for f in fields(GPT2Config)]
@@ -408,7 +413,7 @@ def done_run_id(folder: str) -> str | None:
     """The run id a checkpoint's DONE names (None: none, or no readable DONE)."""
     try:
         with open(os.path.join(folder, DONE_FILE)) as f:
-            rid = json.loads(f.read(4096)).get("run_id")
+            rid = loads_json(f.read(4096)).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
     return rid if isinstance(rid, str) else None
@@ -422,7 +427,7 @@ def log_run_id(path: str) -> str | None:
             for line in f:
                 if line.startswith('{"event": "start"'):
                     try:
-                        rid = json.loads(line).get("run_id")
+                        rid = loads_json(line).get("run_id")
                     except ValueError:
                         pass
     except OSError:
@@ -432,8 +437,10 @@ def log_run_id(path: str) -> str | None:
 
 def check_run_identity(args) -> list[str]:
     """Rank 0 of llmz.train, at start: the checkpoint --resume takes must be of the run that the other
-    complete checkpoints of --checkpoint-dir and the --log belong to; else refused (status 2) naming both
-    runs, unless --resume-other-run. Returns the notes to print."""
+    complete checkpoints of --checkpoint-dir belong to; else refused (status 2) naming both runs, unless
+    --resume-other-run. The --log must be this run's too, or new: a resume trims its log back to the step it
+    resumes from, which only the run that wrote the log may do, so another run's log is refused whatever the
+    flags (it stays whole; name a new --log). Returns the notes to print."""
     resume = args.resume
     if resume == "latest":
         resume = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -443,8 +450,11 @@ def check_run_identity(args) -> list[str]:
     others = [(p, done_run_id(p)) for _, p, done in checkpoints(args.checkpoint_dir) if done] \
         if args.checkpoint_dir else []
     others = [(f"checkpoint {p}", rid) for p, rid in others if rid and rid != mine]
-    if args.log and os.path.isfile(args.log) and log_run_id(args.log) not in (None, mine):
-        others.append((f"log {args.log}", log_run_id(args.log)))
+    log_run = log_run_id(args.log) if args.log and os.path.isfile(args.log) else None
+    if not others and log_run not in (None, mine):
+        raise UsageError(f"--log {args.log} is the log of run {log_run}, and --resume {resume} continues run {mine}: "
+                         f"a resume trims its log back to the step it resumes from, which only the run that wrote "
+                         f"the log may do; name a new --log for run {mine}")
     if not others:
         return []
     where, theirs = others[0]
@@ -452,4 +462,7 @@ def check_run_identity(args) -> list[str]:
             f"copied from another run?)")
     if not args.resume_other_run:
         raise UsageError(f"{line}; to continue run {mine} there anyway, add --resume-other-run")
+    if log_run not in (None, mine):
+        raise UsageError(f"{line}; --resume-other-run takes it, but --log {args.log} is the log of run {log_run}, "
+                         f"which only that run may trim: name a new --log for run {mine}")
     return [f"note: {line}; continuing it, as --resume-other-run says"]

@@ -50,6 +50,8 @@ import faulthandler
 import math
 import os
 import pickle
+import socket
+import stat
 import sys
 import threading
 import time
@@ -59,6 +61,12 @@ import numpy as np
 from ..config import DEFAULT_TIMEOUT_S
 from .environment import process_state
 
+# the shortest deadline that means something: it must outlast the watchdog's own look at the other ranks (their
+# boards read SURVEY_S apart; at start-up, their progress read every PROGRESS_S) and the pauses a scheduler
+# gives a rank on a busy host (the longest wait of a healthy 2-rank CPU run under load: 1.0 s, BENCHMARKS.md).
+# Below it a stopped rank cannot be told from a slow one, and every run would end blaming "a network or MPI
+# failure?": --collective-timeout is refused at parse time
+MIN_TIMEOUT_S = 1.0
 TIMEOUT_EXIT = 124            # exit status of a job ended by the watchdog (as timeout(1) reports a timeout)
 PEER_DIED_EXIT = 1
 SPIN_S = 1e-3                 # spin on MPI_Test this long (ranks in step finish a collective in microseconds),
@@ -81,8 +89,8 @@ OPS = ("start-up", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "b
 
 def peek_timeout(argv) -> float | None:
     """--collective-timeout S from a command line before it is parsed (the start-up's own collectives run
-    before the flags are checked, under this deadline). None if absent or not a positive finite number (the
-    check of the flags then refuses it)."""
+    before the flags are checked, under this deadline). None if absent or not a finite number of at least
+    MIN_TIMEOUT_S seconds (the check of the flags then refuses it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, a in enumerate(argv):
         value = a.split("=", 1)[1] if a.startswith("--collective-timeout=") else \
@@ -92,7 +100,7 @@ def peek_timeout(argv) -> float | None:
                 t = float(value)
             except ValueError:
                 return None
-            return t if math.isfinite(t) and t > 0 else None
+            return t if math.isfinite(t) and t >= MIN_TIMEOUT_S else None
     return None
 
 
@@ -100,7 +108,9 @@ class Watch:
     """This process's side of the watchdog: the deadline, the sequence numbers, and (with several ranks)
     the board. `Watch()` alone (one process) only counts. The training loop sets `step`."""
 
-    def __init__(self, world=None, timeout: float | None = None):
+    def __init__(self, world=None, timeout: float | None = None, local: dict[int, int] | None = None):
+        """local: {rank: pid} of this host's ranks as the start-up saw them (llmz.run.launch.local_ranks): watched
+        for life from the first collective on, before the ranks have told each other where they run."""
         self.timeout = timeout or DEFAULT_TIMEOUT_S
         self.seq = 0                  # collectives this rank has entered
         self.step: int | None = None  # the training step, for the lines (None: before the first)
@@ -115,6 +125,7 @@ class Watch:
         self.neighbours: list[tuple[int, int, int | None]] = []     # (rank, pid, start tick) on this host
         if world is None or self.size == 1:
             return
+        self.neighbours = [(r, pid, process_state(pid)[1]) for r, pid in (local or {}).items() if r != self.rank]
         from mpi4py import MPI
         self.MPI = MPI
         # who runs where (host, pid, start tick): the ranks of this host are checked for life while waiting
@@ -222,7 +233,10 @@ class Watch:
         if self.size == 1:
             why = "the GPU never finished it"
         elif self.win is None:
-            why = "the ranks that did not arrive cannot be told yet (MPI's start-up)"
+            late = [f"rank {r} (pid {pid}, {STATES[state]})" for r, pid, _ in self.neighbours
+                    for state in [process_state(pid)[0]] if state in STATES]
+            why = (f"{', '.join(late)} did not arrive" if late else
+                   "the ranks that did not arrive cannot be told yet (MPI's start-up)")
         else:
             why = missing(seq, self.survey(), self.neighbours)
             if alarm < 0:
@@ -285,6 +299,155 @@ class Watch:
             win.Free()
 
 
+# ---- MPI's start-up --------------------------------------------------------------------------------------------
+STARTUP_POLL_S = 0.05       # how often the start-up watch checks that this host's other ranks still run
+PROGRESS_S = 0.5            # how often it reads their CPU time and state, and looks again for ranks not seen
+MISSING_S = 3.0             # a rank of a one-host job not among this host's processes this long has ended
+STARTUP_CAP = 3             # x the deadline: a rank busy before MPI's start-up for this long is hung
+WAITING = ("R", "S")        # the states of a rank waiting in MPI_Init as this one does (spinning, or sleeping)
+
+
+class StartupWatch:
+    """MPI_Init under the collective deadline. MPI's start-up waits for every rank, and before it completes
+    there is no board and no MPI_Abort: a thread of this process watches the other ranks of this host through
+    /proc (llmz.run.launch.local_ranks found them) while the main thread waits in MPI_Init_thread (called so that
+    the GIL is free: llmz.run.launch.init_thread).
+
+      - a rank that ends before the ranks meet (a failure before MPI started, a crash, a kill) is named at once;
+      - a rank that is stopped (SIGSTOP, a debugger), blocked in the kernel, or, before it loaded MPI, makes no
+        progress (its CPU time stands still) is named once that has lasted --collective-timeout, counted from
+        this rank's entry into MPI_Init or the other's last progress, whichever is later, with what its
+        process is doing and whether it got as far as MPI's start-up; a rank still importing (slow, on a busy
+        host) makes progress and is not blamed, nor is one that waits in MPI_Init as this one does;
+      - ranks on other hosts cannot be seen before MPI is up: at the deadline, when none of this host's is to
+        blame, they are named as such; a one-host job whose every rank waits in MPI_Init past the deadline is
+        MPI's own start-up hanging.
+
+    Then one line, a pause (GRACE_S) for the other waiting ranks' lines, and this process exits: the launcher
+    ends the rest of the job (a rank that leaves without finalising MPI is a failure to Hydra and to mpirun;
+    Hydra kills a stopped rank too). Started by llmz.run.launch.init_ranks for a job of several ranks."""
+
+    def __init__(self, timeout: float | None, rank: int, size: int, local: dict[int, int], local_size: int | None,
+                 rescan=None):
+        self.timeout = timeout or DEFAULT_TIMEOUT_S
+        self.rank, self.size, self.local = rank, size, dict(local)
+        self.rescan = rescan                          # () -> {rank: pid}: this host's ranks, looked for again
+        self.one_host = local_size == size and os.path.exists(f"/proc/{os.getpid()}/environ")
+        self.host = os.uname().nodename
+        self.done = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self, init) -> None:
+        """init() (MPI_Init) under the deadline."""
+        self.t0 = time.monotonic()
+        thread = threading.Thread(target=self._watch, name="llmz-startup-watchdog", daemon=True)
+        thread.start()
+        try:
+            init()
+        finally:
+            self.done.set()
+            thread.join()
+
+    def _watch(self) -> None:
+        # rank -> [pid, start tick, CPU ticks, when it last made progress]
+        peers = {r: [pid, process_state(pid)[1], _cpu_ticks(pid), self.t0] for r, pid in self.local.items()
+                 if r != self.rank}
+        unseen_since = self.t0
+        look = self.t0 + PROGRESS_S
+        while not self.done.wait(STARTUP_POLL_S):
+            now = time.monotonic()
+            for r, (pid, tick, _, _) in peers.items():
+                state, started = process_state(pid)
+                if state in (None, "Z", "X") or (tick is not None and started != tick):
+                    self.end(f"error: rank {r} (pid {pid} on {self.host}) ended before the ranks met; this rank "
+                             f"waited for it in MPI's start-up (MPI_Init)", PEER_DIED_EXIT)
+            if now < look:
+                continue
+            look = now + PROGRESS_S
+            for p in peers.values():
+                cpu = _cpu_ticks(p[0])
+                if cpu != p[2]:
+                    p[2], p[3] = cpu, now
+            unseen = [r for r in range(self.size) if r != self.rank and r not in peers]
+            if unseen and self.one_host and self.rescan is not None:
+                for r, pid in self.rescan().items():
+                    if r != self.rank and r not in peers:
+                        peers[r] = [pid, process_state(pid)[1], _cpu_ticks(pid), now]
+                unseen = [r for r in unseen if r not in peers]
+                if not unseen:
+                    unseen_since = now
+                elif now - unseen_since > MISSING_S:
+                    self.end(f"error: {_ranks(unseen)} {'is' if len(unseen) == 1 else 'are'} not running on this "
+                             f"host ({self.host}): ended before the ranks met; this rank waited in MPI's start-up "
+                             f"(MPI_Init)", PEER_DIED_EXIT)
+            if now - self.t0 > self.timeout:
+                self._deadline(now, peers, unseen)
+
+    def _deadline(self, now: float, peers: dict, unseen: list[int]) -> None:
+        """Past the deadline: end the job if some rank is to blame, or none of this host's can be."""
+        late, busy, pending = [], [], False
+        for r, (pid, _, _, last) in sorted(peers.items()):
+            state = process_state(pid)[0]
+            mpi = _loaded_mpi(pid)
+            if state in WAITING and mpi:
+                continue                                # inside MPI_Init, as this rank is
+            if now - last > self.timeout:               # stopped, or hung, this long
+                what = STATES.get(state) or f"made no progress for {now - last:.0f} s"
+                where = "inside MPI's start-up" if mpi else "before MPI's start-up"
+                late.append(f"rank {r} (its process, pid {pid}, {what}, {where})")
+            elif state in WAITING:
+                busy.append(r)                          # still starting (imports, on a busy host)
+            else:
+                pending = True                          # stopped lately: its deadline comes
+        if not late and not pending and unseen and not self.one_host:
+            them = "it" if len(unseen) == 1 else "them"
+            late.append(f"{_ranks(unseen)} (not on this host: this rank cannot see {them} before MPI is up)")
+        if not late and not pending and busy and now - self.t0 > STARTUP_CAP * self.timeout:
+            late.append(f"{_ranks(busy)} (still running before MPI's start-up: busy, or hung)")
+        if late:
+            why = f"{', '.join(late)} did not arrive"
+        elif self.one_host and not unseen and not busy and not pending:
+            why = "every rank waits inside it (MPI's own start-up hangs: its network, or the launcher?)"
+        else:
+            return
+        self.end(f"error: collective watchdog: MPI's start-up (MPI_Init) did not complete within "
+                 f"--collective-timeout {self.timeout:g} s: {why}", TIMEOUT_EXIT)
+
+    def end(self, line: str, code: int) -> None:
+        """The line, a pause for the other waiting ranks' lines, then the end of this process (never returns)."""
+        say_line(f"rank {self.rank}: {line}")
+        time.sleep(GRACE_S)
+        # Hydra: its abort, silent (the first rank to exit would get the others killed by a signal, and Hydra
+        # prints a banner for each); elsewhere, the exit
+        pmi_abort(code, started=True)
+        os._exit(code)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of a process of this host, in clock ticks (None: gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _loaded_mpi(pid: int) -> bool:
+    """Has process `pid` loaded MPI (mpi4py's extension or an MPI library is mapped): has it reached MPI's
+    start-up?"""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            maps = f.read()
+    except OSError:
+        return False
+    return b"/libmpi" in maps or b"/mpi4py/MPI." in maps
+
+
 def say_line(line: str) -> None:
     """One line on stderr in one write: the launcher forwards every rank's stderr into one stream, and a line
     that print() wrote as two pieces (the text, then the newline) can come out with another rank's line
@@ -300,6 +463,32 @@ def abort_job(world, code: int) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     world.Abort(code)
+
+
+def pmi_abort(code: int, started: bool = False) -> bool:
+    """End the whole job, on every host, from a rank whose MPI is not up (not started, or inside MPI_Init), as
+    MPI_Abort does once it is: MPICH's Hydra (and launchers that speak its PMI-1 wire protocol) give each rank
+    a socket, PMI_FD, and "cmd=abort" on it makes the launcher kill every rank, a stopped one too, and exit
+    with `code`, silently. started: MPI_Init has opened the conversation on the socket already (its own
+    "cmd=init"). Returns False where there is no such socket (Open MPI: mpirun ends the job when a rank exits
+    non-zero) or the launcher did not end this process within seconds."""
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit():
+        return False
+    try:
+        if not stat.S_ISSOCK(os.fstat(int(fd)).st_mode):
+            return False
+        pmi = socket.socket(fileno=int(fd))
+        pmi.settimeout(5.0)
+        if not started:
+            pmi.sendall(b"cmd=init pmi_version=1 pmi_subversion=1\n")
+            if not pmi.recv(256).startswith(b"cmd=response_to_init"):
+                return False
+        pmi.sendall(f"cmd=abort exitcode={code}\n".encode())
+        time.sleep(5.0)                     # the launcher ends this process too
+    except OSError:
+        return False
+    return False
 
 
 # what a process state in /proc/PID/stat says about a rank that did not arrive
