@@ -41,7 +41,7 @@ from llmz.args import check_kernels, check_train, parse_lesson
 from llmz.config import TrainConfig, default_print_every, fmt_bytes
 from llmz.device import resolve
 from llmz.errors import UsageError
-from llmz.run.launch import RankInfo, abort_on_error, agree, allgather, init_ranks
+from llmz.run.launch import RankInfo, abort_on_error, agree, init_ranks
 from llmz.run.log import zero_on_one_rank
 from llmz.trace import overlap, save_png
 
@@ -401,7 +401,7 @@ def check_overlap(ck, ranks, run, events: list, share: str, started: str, gpu: s
 # ---- across ranks -----------------------------------------------------------------------------------------
 def gather(ranks, obj) -> list:
     """Every rank's obj, on every rank (MPI carries checkpoint values, whatever --comm moves gradients)."""
-    return allgather(ranks, obj)                # under the collective watchdog (llmz.run.watchdog)
+    return ranks.allgather(obj)                # under the collective watchdog (llmz.run.watchdog)
 
 
 def params_hash(run) -> str:

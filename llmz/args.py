@@ -9,7 +9,7 @@ Under mpiexec every rank checks after the ranks are up (llmz.run.launch.agree), 
 the whole job at once.
 
 What the checks read: headers only (a model file's config, a token file's count, a checkpoint's DONE),
-and the tokenizer. Everything is read through llmz.run.files: never a FIFO, never more than a header announces.
+and the tokenizer. Everything is read through llmz.files: never a FIFO, never more than a header announces.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from . import files
 from .config import PRESETS, RECOMPUTE, TrainConfig, default_model, fmt_bytes, preset
 from .data import find_token_files, token_count
 from .device import ATTENTIONS, KERNEL_SETS, KINDS, kernel_paths
@@ -26,9 +27,8 @@ from .errors import LlmzError, UsageError
 from .layout import Layout
 from .memory import activation_elements, predicted
 from .precision import PRECISIONS
-from .run import files
-from .run.files import prepare_folder, prepare_output
 from .run.model_file import model_config, model_header
+from .run.outputs import prepare_folder, prepare_output
 from .run.state import DONE_FILE, MODEL_FILE, STEP_DIR, checkpoints, latest_checkpoint
 from .run.watchdog import MIN_TIMEOUT_S
 from .tokenizer import load_tokenizer as load_any_tokenizer
@@ -215,7 +215,7 @@ def check_train(cfg: TrainConfig, kind: str, world_size: int = 1) -> None:
         batches_in(cfg.train_data, "train_data", cfg.batch_size, cfg.seq_len, world_size)
         if cfg.val_data:
             batches_in(cfg.val_data, "val_data", cfg.batch_size, cfg.seq_len, world_size)
-        if kind != "gpu":                   # the GPU's: llmz.run.guards.check_fits (llmz.run.guards.check_fits)
+        if kind != "gpu":                   # the GPU's: llmz.memory.check_fits, in the Trainer
             check_host_memory(Layout(model, world_size), cfg.zero_stage, cfg.batch_size, cfg.seq_len,
                               PRECISIONS[cfg.precision].value_bytes, cfg.recompute)
         check_checkpoint_dir(cfg, start, resume)

@@ -36,17 +36,10 @@ import numpy as np
 from .bf16 import bf16_to_f32, f32_to_bf16
 from .config import GPT2Config, padded_vocab
 from .errors import LlmzError, UsageError
+from .files import atomic_write, check_memory, loads_json, open_regular, read_bytes
 from .layout import Layout
-from .run.files import (
-    atomic_write,
-    check_memory,
-    loads_json,
-    make_folders,
-    open_regular,
-    read_bytes,
-    remove_folders,
-)
 from .run.model_file import load_model, model_header, save_llmc
+from .run.outputs import make_folders, remove_folders
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION_FILE = "generation_config.json"
@@ -316,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .run.files import prepare_folder, prepare_output
+    from .run.outputs import prepare_folder, prepare_output
     try:
         args = build_parser().parse_args(argv)
         try:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .errors import AgreedError, LlmzError
-from .run.files import (
+from .files import (
     HEADER_BYTES,
     HEADER_INTS,
     atomic_write,
@@ -30,7 +30,6 @@ from .run.files import (
     read_bytes,
     read_header,
 )
-from .run.launch import allgather
 
 TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
@@ -126,7 +125,7 @@ def check_same_data(ranks, loaders: dict) -> dict[str, list[list]]:
     mine = {flag: [list(d) for d in loader.digests] for flag, loader in loaders.items() if loader is not None}
     if ranks.world_size == 1:
         return mine
-    views = allgather(ranks, mine)
+    views = ranks.allgather(mine)
     for r, view in enumerate(views[1:], start=1):
         for flag, files in view.items():
             ref = views[0][flag]

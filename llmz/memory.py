@@ -20,6 +20,7 @@ the GPU also reads the memory CuPy's pool holds.
 from __future__ import annotations
 
 from .config import GPT2Config, fmt_bytes
+from .errors import LlmzError
 from .layout import Layout
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
@@ -102,3 +103,19 @@ def table(rep: dict) -> str:
     if "device_used" in rep:
         lines.append(f"  {'GPU pool in use':<22}{'':>14}{fmt_bytes(rep['device_used']):>14}")
     return "\n".join(lines)
+
+
+# what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
+GPU_RESERVE_BYTES = 1 << 30
+
+
+def check_fits(predicted: dict, free: int, total: int, gpu_index: int = 0,
+               reserve: int = GPU_RESERVE_BYTES) -> None:
+    """Refuse a configuration whose predicted bytes per rank (llmz.memory.predicted) plus `reserve` exceed
+    the GPU's free bytes (cupy.cuda.runtime.memGetInfo): one line with both numbers, before allocating."""
+    need = sum(predicted.values())
+    if need + reserve > free:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in predicted.items() if v)
+        raise LlmzError(f"this configuration does not fit on GPU {gpu_index}: predicted {fmt_bytes(need)} "
+                        f"per rank ({parts}) + {fmt_bytes(reserve)} reserve, available {fmt_bytes(free)} "
+                        f"free of {fmt_bytes(total)}; lower -b or -t, or raise --zero-stage")

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import LlmzError
-from .run.files import loads_json
+from .files import loads_json
 
 FORMATS = ("png", "svg", "pdf")
 # one line style per run besides its colour, so a run that repeats another's numbers (stage 2 over stage 0)
@@ -210,7 +210,7 @@ def save(fig, path: str) -> None:
     """Write the figure (format from the file's extension), whole or not at all, and close it."""
     import matplotlib.pyplot as plt
 
-    from .run.files import atomic_write
+    from .files import atomic_write
     buf = io.BytesIO()
     fig.savefig(buf, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
     plt.close(fig)

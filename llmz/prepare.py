@@ -21,7 +21,8 @@ import numpy as np
 
 from .data import write_tokens
 from .errors import LlmzError, UsageError
-from .run.files import fit_name, open_regular, prepare_output, read_bytes
+from .files import fit_name, open_regular, read_bytes
+from .run.outputs import prepare_output
 from .tokenizer import ByteTokenizer, Gpt2Tokenizer, tokenizer_name, write_tokenizer
 
 LINE_SEARCH = 1000          # characters before the cut searched for a line start

@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import padded_vocab
 from .errors import LlmzError
-from .run.files import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, read_bytes, read_header
+from .files import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, read_bytes, read_header
 
 TOKENIZER_MAGIC = 20240328
 GPT2_EOT = 50256          # llm.c's rule for version 1 files: they are GPT-2's, eot 50256

@@ -23,7 +23,7 @@ import os
 import time
 from typing import NamedTuple
 
-from .run.files import atomic_write
+from .files import atomic_write
 
 
 class Tracer:

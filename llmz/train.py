@@ -1,7 +1,7 @@
 """python -m llmz.train: train GPT-2 on one or many ranks (mpiexec -n N python -m llmz.train).
 
 The command line of llmz.trainer: the flags map one to one onto a TrainConfig (--zero-stage is zero_stage),
-are checked (llmz.args.check_train), and every rank trains (llmz.trainer.train). With no flags it trains a
+are checked (llmz.args.check_train), and every rank trains (llmz.run.loop.train). With no flags it trains a
 small byte-level model on the shipped Shakespeare and prints a sample.
 """
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                           same=lambda result: {**{flag(k): v for k, v in result[0].to_dict().items()},
                                                "--device (resolved)": result[1]})
         ranks.watch.timeout = cfg.collective_timeout
-        from .trainer import train  # numba loads here, after the device is resolved (the simulator)
+        from .run.loop import train  # numba loads here, after the device is resolved (the simulator)
         train(cfg, kind, ranks)
     return 0
 

@@ -203,8 +203,8 @@ def test_a_readonly_output_folder_is_refused_at_start(tmp_path):
 
 
 def test_a_configuration_that_cannot_fit_in_host_memory_is_refused_at_start(monkeypatch):
-    import llmz.run.files
-    monkeypatch.setattr(llmz.run.files, "available_memory", lambda: 1 << 20)           # 1 MiB
+    import llmz.files
+    monkeypatch.setattr(llmz.files, "available_memory", lambda: 1 << 20)           # 1 MiB
     refused("--model", "small", match="does not fit in memory")
 
 
@@ -303,9 +303,9 @@ def test_fuzzed_flags_start_cleanly_and_train_to_the_end_or_are_refused_in_one_l
     trains to its end in this process (a few steps at most) and writes what it was asked to. A run whose
     (valid) flags make it diverge, such as --lr 3e38, is stopped by the divergence check, naming the step,
     with nothing non-finite saved. No late failure, no other exception."""
+    from llmz.run.loop import train
     from llmz.run.state import checkpoints, load_checkpoint
     from llmz.train import parse_args
-    from llmz.trainer import train
     outcomes = {"started": 0, "refused": 0, "stopped": 0}
 
     @FUZZ

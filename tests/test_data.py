@@ -149,9 +149,9 @@ def test_a_files_digest_is_sha256_of_all_its_bytes_the_same_for_copies_and_chang
         tmp_path, rng, monkeypatch):
     import hashlib
 
-    import llmz.run.files
+    import llmz.files
     from llmz.data import file_digest
-    monkeypatch.setattr(llmz.run.files, "HASH_CHUNK", 4096)     # read and hashed in pieces (64 MiB in a run)
+    monkeypatch.setattr(llmz.files, "HASH_CHUNK", 4096)     # read and hashed in pieces (64 MiB in a run)
     tokens = rng.integers(0, 256, 50_000)
     write_tokens(str(tmp_path / "a.bin"), tokens)
     os.makedirs(tmp_path / "elsewhere")

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-import llmz.run.files
+import llmz.files
 from llmz.config import GPT2Config
 from llmz.data import read_tokens, write_tokens
 from llmz.errors import LlmzError
@@ -320,7 +320,7 @@ def writers(rng):
 def fail_after_first_part(exc):
     """A _write_part that writes the header, then fails the way `exc` says."""
     calls = []
-    real = llmz.run.files._write_part
+    real = llmz.files._write_part
 
     def part(f, data):
         if calls:
@@ -334,7 +334,7 @@ def fail_after_first_part(exc):
 def test_failed_write_leaves_no_file_under_the_final_name(tmp_path, rng, monkeypatch, which):
     write = writers(rng)[which]
     path = tmp_path / f"{which}.bin"
-    monkeypatch.setattr(llmz.run.files, "_write_part", fail_after_first_part(OSError(28, "No space left on device")))
+    monkeypatch.setattr(llmz.files, "_write_part", fail_after_first_part(OSError(28, "No space left on device")))
     with pytest.raises(LlmzError) as e:
         write(str(path))
     assert "No space left on device" in one_line_error(e, path)
@@ -347,7 +347,7 @@ def test_failed_overwrite_keeps_the_previous_file(tmp_path, rng, monkeypatch, wh
     path = tmp_path / f"{which}.bin"
     write(str(path))
     before = path.read_bytes()
-    monkeypatch.setattr(llmz.run.files, "_write_part", fail_after_first_part(KeyboardInterrupt()))
+    monkeypatch.setattr(llmz.files, "_write_part", fail_after_first_part(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         write(str(path))
     assert path.read_bytes() == before
@@ -364,7 +364,7 @@ def test_file_modules_import_no_numba():
 
 # ---- names at the filesystem's limits; the log and its lock ------------------------------------------------------
 def test_a_file_of_the_longest_name_is_written_through_a_temporary_name_cut_to_fit(tmp_path, monkeypatch):
-    from llmz.run.files import atomic_write, fit_name, name_limits, nbytes
+    from llmz.files import atomic_write, fit_name, name_limits, nbytes
     name_max = name_limits(str(tmp_path))[0]
     seen = []
     real = os.replace
@@ -381,7 +381,7 @@ def test_a_file_of_the_longest_name_is_written_through_a_temporary_name_cut_to_f
 
 
 def test_check_log_takes_llmz_logs_and_a_torn_last_line_and_refuses_anything_else(tmp_path):
-    from llmz.run.files import check_log
+    from llmz.run.outputs import check_log
     cases = {"empty": ("", None), "new": (None, None),
              "log": ('{"event": "start"}\n{"step": 0, "loss": 5.0}\n', None),
              "torn": ('{"event": "start"}\n{"step": 0, "lo', None), "torn start": ('{"event": "start", "con', None),
@@ -402,7 +402,7 @@ def test_check_log_takes_llmz_logs_and_a_torn_last_line_and_refuses_anything_els
 
 
 def test_an_open_log_is_locked_under_every_name_and_truncated_only_once_locked(tmp_path):
-    from llmz.run.files import JsonLog, check_not_written
+    from llmz.run.outputs import JsonLog, check_not_written
     log = tmp_path / "run.jsonl"
     first = JsonLog(str(log))
     first.write({"event": "start"})

@@ -110,7 +110,7 @@ def test_bad_input_is_one_line_status_2_and_nothing_written(tmp_path, case):
 
 
 def test_a_prefix_whose_longest_file_name_just_fits_works_and_leaves_nothing_else(tmp_path):
-    from llmz.run.files import name_limits
+    from llmz.files import name_limits
     (tmp_path / "good.txt").write_text("a line\nanother line\n" * 20, encoding="utf-8")
     prefix = "p" * (name_limits(str(tmp_path))[0] - len("_tokenizer.bin"))     # 241 where names take 255 bytes
     p = run("good.txt", "-o", prefix, cwd=tmp_path)

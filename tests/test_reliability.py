@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import llmz.run.files
+import llmz.files
 from llmz.config import preset
 from llmz.data import read_tokens, token_count, write_tokens
 from llmz.errors import LlmzError, UsageError
-from llmz.run.files import HEADER_BYTES, HEADER_INTS
+from llmz.files import HEADER_BYTES, HEADER_INTS
 from llmz.run.launch import RankInfo
 from llmz.run.lock import Lock
 from llmz.run.model_file import load_model, model_config
@@ -49,7 +49,7 @@ def args_of(*flags, base=TINY):
 
 
 def train_here(*flags, base=TINY) -> dict:
-    from llmz.trainer import train
+    from llmz.run.loop import train
     return train(args_of(*flags, base=base), "cpu", HERE)
 
 
@@ -118,7 +118,7 @@ def test_a_fifo_as_a_ranks_state_file_is_refused_without_blocking(tmp_path):
 @pytest.fixture
 def little_memory(monkeypatch):
     """The machine has 64 MiB to spare: a payload larger than that is refused before it is read."""
-    monkeypatch.setattr(llmz.run.files, "available_memory", lambda: 64 << 20)
+    monkeypatch.setattr(llmz.files, "available_memory", lambda: 64 << 20)
 
 
 def sparse(path: Path, header: np.ndarray, size: int) -> None:
@@ -188,9 +188,9 @@ def test_the_finite_check_sees_one_non_finite_value_anywhere(kdev, rng, dtype, b
 @pytest.mark.parametrize("precision, where", [("fp32", "params"), ("fp64", "m"), ("bf16", "master"),
                                               ("fp32", "v")])
 def test_a_checkpoint_or_save_is_never_written_from_non_finite_values(tmp_path, precision, where):
-    from llmz.trainer import Trainer
+    from llmz.run.loop import Run
     args = args_of("--precision", precision, "--steps", 2, "--zero-stage", 1)
-    run = Trainer(args, "cpu", HERE)
+    run = Run(args, "cpu", HERE)
     run.step(0)
     assert run.guards.all_finite()
     buf = {**run.zero.param_store.buffers(), **run.zero.optimizer.buffers()}[where]
@@ -212,11 +212,11 @@ def test_a_checkpoint_or_save_is_never_written_from_non_finite_values(tmp_path, 
 def test_on_the_gpu_a_checkpoint_is_never_written_from_non_finite_values(tmp_path, precision, stage):
     """The same on the GPU, after steps replayed as CUDA graphs (stage 0) or eager (stage 2): the check reads
     the buffers the graphs write."""
+    from llmz.run.loop import Run
     from llmz.train import parse_args
-    from llmz.trainer import Trainer
     args, kind = parse_args(["--device", "gpu", "--model", "d2", "-b", "4", "-t", "64", "--steps", "3",
                              "--precision", precision, "--zero-stage", str(stage), "--quiet"])
-    run = Trainer(args, kind, HERE)
+    run = Run(args, kind, HERE)
     for step in range(2):
         run.step(step)
     assert run.guards.all_finite()
@@ -246,12 +246,12 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_no_checkpoint_of_the_ba
 
 
 def test_the_divergence_bound_is_three_times_a_uniform_guess_or_max_loss():
-    from llmz.trainer import Trainer
-    run = Trainer(args_of("--steps", 1), "cpu", HERE)
+    from llmz.run.loop import Run
+    run = Run(args_of("--steps", 1), "cpu", HERE)
     assert run.guards.max_loss == pytest.approx(3 * np.log(256))
     assert run.guards.diverged(4, 16.0) is None and "step 4: loss 17" in run.guards.diverged(4, 17.0)
     assert "non-finite" in run.guards.diverged(4, 1.0, float("inf"))
-    bounded = Trainer(args_of("--steps", 1, "--max-loss", 2.5), "cpu", HERE)
+    bounded = Run(args_of("--steps", 1, "--max-loss", 2.5), "cpu", HERE)
     assert bounded.guards.diverged(0, 3.0).endswith("the run diverged")
 
 
@@ -272,7 +272,7 @@ def test_a_model_wider_than_its_tokenizer_trains_saves_and_samples_among_the_tok
 
 
 def test_a_failure_after_the_last_step_costs_neither_model_nor_log_nor_checkpoint(tmp_path, monkeypatch):
-    from llmz.trainer import Sampler
+    from llmz.run.loop import Sampler
 
     def broken(self, params):
         raise RuntimeError("the sample failed")
@@ -545,7 +545,7 @@ def test_resume_with_a_data_file_rewritten_under_its_name_is_refused_naming_both
 
 # ---- the same file under another name; a --log that is not a log; another run's checkpoint -------------------
 def test_a_log_or_checkpoint_folder_in_use_is_refused_under_any_name(tmp_path):
-    from llmz.run.files import JsonLog
+    from llmz.run.outputs import JsonLog
     ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
     os.makedirs(ck)
     live = JsonLog(str(log))                     # what a live run holds: its log open (and locked) ...
@@ -669,7 +669,7 @@ def test_any_bytes_of_a_prompt_encode_and_a_lone_surrogate_or_too_many_tokens_ar
 
 
 def test_names_that_fit_the_filesystem_work_and_names_that_cannot_are_refused_at_start(tmp_path):
-    from llmz.run.files import name_limits
+    from llmz.files import name_limits
     name_max, path_max = name_limits(str(tmp_path))
     fits = "m" * (name_max - 4) + ".bin"                        # the longest name: its temporary name is cut
     train_here("--steps", 1, "--save", tmp_path / fits, "--log", tmp_path / (fits[:-4] + ".log"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import llmz.run.files
+import llmz.files
 import llmz.run.model_file
 import llmz.run.state
 from llmz.config import GPT2Config
@@ -254,7 +254,7 @@ def in_process_args(tmp_path, *extra):
 
 
 def train_here(args) -> dict:
-    from llmz.trainer import train
+    from llmz.run.loop import train
     return train(args, "cpu", RankInfo(0, 1, 0, 1, "here"))
 
 
@@ -262,7 +262,7 @@ def train_here(args) -> dict:
 def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_partial_file(
         tmp_path, monkeypatch, which):
     ck = tmp_path / "ck"
-    real_part, real_write_state = llmz.run.files._write_part, llmz.run.state.write_state
+    real_part, real_write_state = llmz.files._write_part, llmz.run.state.write_state
     armed = []
 
     def disk_full_halfway(f, part):
@@ -283,7 +283,7 @@ def test_a_write_failing_mid_file_keeps_the_previous_checkpoint_and_leaves_no_pa
         return real_write_state(path, meta, arrays)
 
     real_save_model = llmz.run.model_file.save_model
-    monkeypatch.setattr(llmz.run.files, "_write_part", disk_full_halfway)
+    monkeypatch.setattr(llmz.files, "_write_part", disk_full_halfway)
     monkeypatch.setattr(llmz.run.model_file, "save_model", save_model_then_arm)
     monkeypatch.setattr(llmz.run.state, "write_state", write_state_then_arm)
     with pytest.raises(LlmzError, match="No space left on device") as e:
@@ -363,8 +363,7 @@ def test_resume_refuses_another_model_and_both_resume_and_init_from(tmp_path):
 
 
 def test_a_configuration_that_cannot_fit_is_refused_with_predicted_and_available_bytes():
-    from llmz.memory import predicted
-    from llmz.run.guards import GPU_RESERVE_BYTES, check_fits
+    from llmz.memory import GPU_RESERVE_BYTES, check_fits, predicted
     pred = predicted(Layout(GPT2Config(), 1), 0, 16, 1024, 4)          # d12, B=16, T=1024, fp32
     need = sum(pred.values())
     check_fits(pred, free=need + GPU_RESERVE_BYTES, total=140 << 30)   # exactly enough: accepted

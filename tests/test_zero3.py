@@ -310,8 +310,8 @@ def test_bf16_stage3_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
     """The bf16 parameters are rebuilt from the saved fp32 master with the rounding draws of the saved step, then
     sharded: a resumed stage-3 run repeats the straight one bit for bit."""
     from llmz.run.launch import RankInfo
+    from llmz.run.loop import train
     from llmz.train import parse_args
-    from llmz.trainer import train
 
     def run(name, *extra):
         args, kind = parse_args(["--device", "cpu", "--precision", "bf16", "--model", "tiny", "-b", "2", "-t", "8",

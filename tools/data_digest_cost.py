@@ -4,7 +4,7 @@
 
 Writes a file of --gb GB (a 64 MiB random block over and over: the disk and the hash see every byte; the
 page cache is dropped for this file alone with posix_fadvise, so a "cold" read comes from the disk), then
-reads it the way llmz.data.DataLoader does (llmz.run.files.read_into, in 1 GiB pieces into one buffer, so that a
+reads it the way llmz.data.DataLoader does (llmz.files.read_into, in 1 GiB pieces into one buffer, so that a
 file larger than a token file may hold, 2^31 tokens, fits in memory) with and without the hash, cold and
 warm, alternating, and prints the seconds and the digest's cost: the extra seconds, once, at the start of a
 run. The file is deleted at the end. An llm.c token file holds at most 2^31 - 1 tokens (4 GiB): 10 GB of
@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmz.run.files import read_into  # noqa: E402
+from llmz.files import read_into  # noqa: E402
 
 PIECE = 1 << 30
 
@@ -51,7 +51,7 @@ def drop_cache(path: Path) -> None:
 
 
 def read(path: Path, digest: bool, buf: memoryview) -> tuple[float, str | None]:
-    """Read the whole file through llmz.run.files.read_into, 1 GiB at a time -> (seconds, hex digest or None)."""
+    """Read the whole file through llmz.files.read_into, 1 GiB at a time -> (seconds, hex digest or None)."""
     h = hashlib.sha256() if digest else None
     size = path.stat().st_size
     t0 = time.perf_counter()

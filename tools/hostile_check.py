@@ -63,11 +63,12 @@ sys.path.insert(0, str(REPO))
 from llmz.config import GPT2Config, preset
 from llmz.data import TOKENS_MAGIC, write_tokens
 from llmz.errors import LlmzError
+from llmz.files import HEADER_BYTES
 from llmz.run.environment import process_state
-from llmz.run.files import HEADER_BYTES, JsonLog
 from llmz.run.launch import rank_pids
 from llmz.run.lock import Lock
 from llmz.run.model_file import MODEL_MAGIC, load_model
+from llmz.run.outputs import JsonLog
 from llmz.run.state import latest_checkpoint, load_checkpoint, read_state, write_state
 from llmz.run.watchdog import TIMEOUT_EXIT
 from llmz.tokenizer import TOKENIZER_MAGIC, write_tokenizer

@@ -15,10 +15,11 @@ import os
 
 import numpy as np
 
-from ..config import GPT2Config, TrainConfig, default_model, preset
+from ..config import TrainConfig
 from ..data import DIGEST, SHOWN
 from ..errors import AgreedError, LlmzError
-from ..layout import Layout, init_parameters
+from ..layout import Layout
+from ..trainer import Start, fresh_start
 from . import model_file, state
 
 # the settings that shape the training trajectory: saved in every checkpoint, compared on resume
@@ -47,28 +48,25 @@ def find(cfg: TrainConfig, ranks, notes: list[str]):
     return state.load_checkpoint_agreed(path, ranks)
 
 
-def start(cfg: TrainConfig, kind: str, tok, world_size: int,
-          resumed) -> tuple[GPT2Config, Layout, np.ndarray]:
-    """(model config, layout, full parameters in float64 or the file's values) of the run's start: the
-    checkpoint it resumes, an llm.c file, or a freshly initialised preset (llmz.args.check_train has checked
-    that the flags describe it, that the tokenizer fits it and that T fits its maxT)."""
+def start(cfg: TrainConfig, kind: str, tok, world_size: int, resumed) -> Start:
+    """The run's start (llmz.trainer.Start: model config, layout, full parameters in float64 or the file's
+    values, step): the checkpoint it resumes, an llm.c file, or a freshly initialised preset
+    (llmz.trainer.fresh_start; llmz.args.check_train has checked that the flags describe it, that the
+    tokenizer fits it and that T fits its maxT)."""
     if resumed:
-        config = resumed.config
-        layout = Layout(config, world_size)
-        params = resumed.assemble("params", state.full_ranges(layout))
+        layout = Layout(resumed.config, world_size)
+        begin = Start(resumed.config, layout, resumed.assemble("params", state.full_ranges(layout)), resumed.step)
     elif cfg.init_from:
         config, llmc = model_file.load_model(cfg.init_from)
         layout = Layout(config, world_size)
-        params = layout.from_llmc(llmc, np.float64)
+        begin = Start(config, layout, layout.from_llmc(llmc, np.float64))
     else:
-        config = preset(cfg.model or default_model(kind), vocab_size=cfg.vocab_size, tokens=tok.vocab_size,
-                        max_seq_len=cfg.max_seq_len or 1024)
-        layout = Layout(config, world_size)
-        params = init_parameters(layout, cfg.seed)
+        begin = fresh_start(cfg, kind, tok, world_size)
+    config = begin.config
     if config.vocab_size < tok.vocab_size or cfg.seq_len > config.max_seq_len:
         raise LlmzError(f"the model (V={config.vocab_size}, maxT={config.max_seq_len}) does not fit the "
                         f"tokenizer ({tok.vocab_size} tokens) or -t {cfg.seq_len}")
-    return config, layout, params
+    return begin
 
 
 def check_data(cfg: TrainConfig, resumed, data: dict) -> list[str]:
@@ -115,7 +113,7 @@ def restore_loader(loader, saved: dict, path: str) -> list[str]:
 
 
 class Checkpoints:
-    """One rank's side of the run's checkpoints: `run` is its llmz.trainer.Trainer, `resumed` the checkpoint
+    """One rank's side of the run's checkpoints: `run` is its llmz.run.loop.Run, `resumed` the checkpoint
     it started from (find) or None. `last` is the newest good checkpoint, for the lines that name it."""
 
     def __init__(self, run, resumed):

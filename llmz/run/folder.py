@@ -18,7 +18,7 @@ import os
 from dataclasses import replace
 
 from ..errors import LlmzError, UsageError
-from .files import prepare_folder, prepare_output
+from .outputs import prepare_folder, prepare_output
 
 RUNS_ENV = "LLMZ_RUNS"
 MODEL, LOG, CHECKPOINTS, LATEST = "model.bin", "log.jsonl", "checkpoints", "latest"

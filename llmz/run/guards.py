@@ -1,8 +1,8 @@
 """What keeps a run from wasting work or losing it, checked where it can first be known (beside the locks,
-the run's identity and the data agreement of llmz.run.lock, llmz.run.state and llmz.data, taken at start, and the
-collective watchdog of llmz.run.watchdog):
+the run's identity and the data agreement of llmz.run.lock, llmz.run.state and llmz.data, taken at start, the
+collective watchdog of llmz.run.watchdog, and llmz.memory.check_fits, which refuses a configuration the GPU
+cannot hold before the Trainer's big allocations):
 
-  memory       before the big allocations, a configuration the GPU cannot hold is refused in one line
   divergence   after every step, a non-finite loss or gradient norm, or a loss above --max-loss (default
                3 ln V, three times a uniform guess's), stops the run naming the step, on every rank alike
   non-finite   before anything is written, the parameters and optimizer state must all be finite: nothing
@@ -14,24 +14,9 @@ import math
 
 import numpy as np
 
-from ..config import TrainConfig, fmt_bytes
-from ..errors import AgreedError, LlmzError
+from ..config import TrainConfig
+from ..errors import AgreedError
 from ..kernels.norm import NORM_BLOCKS
-
-# what the CUDA context, cuBLAS and NCCL workspaces and the memory pool's slack take beyond the formula
-GPU_RESERVE_BYTES = 1 << 30
-
-
-def check_fits(predicted: dict, free: int, total: int, gpu_index: int = 0,
-               reserve: int = GPU_RESERVE_BYTES) -> None:
-    """Refuse a configuration whose predicted bytes per rank (llmz.memory.predicted) plus `reserve` exceed
-    the GPU's free bytes (cupy.cuda.runtime.memGetInfo): one line with both numbers, before allocating."""
-    need = sum(predicted.values())
-    if need + reserve > free:
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in predicted.items() if v)
-        raise LlmzError(f"this configuration does not fit on GPU {gpu_index}: predicted {fmt_bytes(need)} "
-                        f"per rank ({parts}) + {fmt_bytes(reserve)} reserve, available {fmt_bytes(free)} "
-                        f"free of {fmt_bytes(total)}; lower -b or -t, or raise --zero-stage")
 
 
 class Guards:

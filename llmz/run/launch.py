@@ -73,6 +73,16 @@ class RankInfo:
     def gpu_index(self) -> int:
         return self.local_rank
 
+    def allgather(self, obj) -> list:
+        """Every rank's obj (picklable), by rank, on every rank; under the collective watchdog. (A method, so
+        that the model's side, llmz.data's check of the ranks' files, gathers without importing llmz.run.)"""
+        if self.world_size == 1:
+            return [obj]
+        if self.watch.world is not None:
+            return self.watch.allgather_object(obj)
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.allgather(obj)
+
 
 def _launcher_world_size() -> int:
     for var in _LAUNCHER_SIZE_VARS:
@@ -315,16 +325,6 @@ def start_failed(e: LlmzError) -> int:
     return 2
 
 
-def allgather(ranks: RankInfo, obj) -> list:
-    """Every rank's obj (picklable), by rank, on every rank; under the collective watchdog."""
-    if ranks.world_size == 1:
-        return [obj]
-    if ranks.watch.world is not None:
-        return ranks.watch.allgather_object(obj)
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.allgather(obj)
-
-
 def _mpi_rank_and_size() -> tuple[int, int]:
     """Rank and world size if MPI is already running in this process, without starting it."""
     mpi = sys.modules.get("mpi4py.MPI")
@@ -351,14 +351,14 @@ def agree(ranks: RankInfo, fn, same=None):
         if os.environ.get("LLMZ_DEBUG") == "1":
             traceback.print_exc()
         err = (f"{type(e).__name__}: {_first_line(e)}", 1)
-    errs = allgather(ranks, err)
+    errs = ranks.allgather(err)
     failed = [(r, e) for r, e in enumerate(errs) if e is not None]
     if failed:
         r, (msg, code) = failed[0]
         alike = len(failed) == len(errs) and all(e == failed[0][1] for _, e in failed)
         raise AgreedError(msg if alike or ranks.world_size == 1 else f"rank {r}: {msg}", code)
     if same is not None and ranks.world_size > 1:
-        views = allgather(ranks, same(result))
+        views = ranks.allgather(same(result))
         for r, view in enumerate(views):
             for key in view:
                 if view[key] != views[0][key]:

@@ -7,7 +7,7 @@ two runs on one --log interleave their lines. So rank 0 of a run holds
                            included, reaches this one file)
     FILE.jsonl.lock        for --log FILE.jsonl, beside the file the name resolves to (symlinks followed,
                            so `alias.jsonl -> FILE.jsonl` and `DIR/./FILE.jsonl` share it); and while the
-                           log is open, a lock on the log file itself (flock, llmz.run.files.JsonLog), which a
+                           log is open, a lock on the log file itself (flock, llmz.run.outputs.JsonLog), which a
                            hard link or any other name reaches too
 
 from the start to the end of training: one JSON line with the owner's pid, host, start time and, on Linux,
@@ -25,8 +25,9 @@ import socket
 import time
 
 from ..errors import LlmzError, UsageError
+from ..files import fit_name, loads_json
 from .environment import process_state
-from .files import check_log, check_not_written, fit_name, loads_json
+from .outputs import check_log, check_not_written
 
 
 def _alive(owner: dict) -> bool:

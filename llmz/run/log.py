@@ -1,5 +1,5 @@
 """What a training run says: its lines on rank 0's stdout and, with --log FILE.jsonl, one JSON object a line
-(flushed line by line; a new run starts the file, a resumed run continues it, llmz.run.files.JsonLog):
+(flushed line by line; a new run starts the file, a resumed run continues it, llmz.run.outputs.JsonLog):
 
     {"event": "start", "run_id", "config", "args", "world_size", "memory", "start_step", "resumed_from",
      "data", "notes"}
@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..config import fmt_bytes
 from ..memory import table
 from . import threads
-from .files import JsonLog
+from .outputs import JsonLog
 from .progress import Progress, fmt_duration
 
 # MFU denominators (dense, per GPU, TFLOP/s), llm.c's table: fp32 training runs its matmuls in TF32.
@@ -74,7 +74,7 @@ def zero_on_one_rank(layout, stage: int, value_bytes: int) -> str | None:
 
 
 class RunLog:
-    """The lines and records of one run (llmz.trainer.train): rank 0 prints and writes, every rank keeps
+    """The lines and records of one run (llmz.run.loop.train): rank 0 prints and writes, every rank keeps
     the numbers of the summary."""
 
     def __init__(self, run, ranks):
@@ -130,7 +130,7 @@ class RunLog:
         self.say("---\n" + text + "\n---")
 
     def step(self, step: int, out: dict, seconds: float, show: bool = True) -> None:
-        """A training step's record, and its line where `show` (llmz.trainer.train: every --print-every steps
+        """A training step's record, and its line where `show` (llmz.run.loop.train: every --print-every steps
         and more) and not --quiet: out is Trainer.step's (loss, grad_norm), seconds its time."""
         run, cfg = self.run, self.cfg
         self.step_times.append(seconds)

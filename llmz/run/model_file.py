@@ -20,8 +20,8 @@ import numpy as np
 from ..bf16 import bf16_to_f32, f32_to_bf16
 from ..config import GPT2Config
 from ..errors import LlmzError
+from ..files import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_array, read_header
 from ..layout import Layout
-from .files import HEADER_BYTES, HEADER_INTS, atomic_write, check_header, check_size, read_array, read_header
 
 MODEL_MAGIC = 20240326
 MODEL_VERSIONS = {3: "fp32", 5: "bf16"}

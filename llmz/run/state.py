@@ -44,8 +44,7 @@ import numpy as np
 
 from ..config import ZERO_STAGES, GPT2Config
 from ..errors import LlmzError, UsageError, before_any_work
-from ..layout import Layout
-from .files import (
+from ..files import (
     HEADER_BYTES,
     HEADER_INTS,
     TMP_SUFFIX,
@@ -57,7 +56,8 @@ from .files import (
     read_bytes,
     read_header,
 )
-from .launch import agree, allgather
+from ..layout import Layout
+from .launch import agree
 from .model_file import load_model
 
 STATE_MAGIC = 20261203
@@ -406,7 +406,7 @@ def run_identity(resumed: Checkpoint | None, ranks) -> str:
     """This run's id: the resumed checkpoint's, else a new random one, rank 0's on every rank."""
     if resumed is not None and resumed.meta.get("run_id"):
         return resumed.meta["run_id"]
-    return allgather(ranks, uuid.uuid4().hex[:16])[0]
+    return ranks.allgather(uuid.uuid4().hex[:16])[0]
 
 
 def done_run_id(folder: str) -> str | None:
