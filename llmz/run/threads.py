@@ -6,7 +6,7 @@ its slowest thread, each spinning while it waits. With N ranks on one host every
 core: N x cores busy-waiting threads on `cores` cores (2 ranks of the default run on 2 cores: 275 ms a step,
 against 112 ms with one thread a rank: README). One other busy process does the same to a pool that takes
 every core: on the 2-core machine with one core kept busy, the default run took 3-7x as long with 2 threads
-as with 1, while 2 threads gained little on the quiet machine (notes/laptop_benchmarks.md). So each rank
+as with 1, while 2 threads gained little on the quiet machine (BENCHMARKS.md, "BLAS threads per rank"). So each rank
 gets max(1, (cores - 1) // ranks on this host) threads: a pool that leaves a core to whatever else runs.
 threadpoolctl sets the size of the pools of the BLAS and OpenMP libraries already loaded (llmz.train imports
 NumPy before it knows the ranks, too late for OMP_NUM_THREADS); a size the user chose in the environment
