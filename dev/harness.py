@@ -300,8 +300,8 @@ def check_timing(reps: int = 10) -> int:
     for label, n in (("unit copy 2 GiB", 1 << 30), ("unit copy d12 (8*1024*768)", 8 * 1024 * 768)):
         sets = [{"src": rand(n), "dst": cp.empty(n, cp.uint16)}]
         sets += [clone(sets[0]) for _ in range(copies_for(dev, sets[0]) - 1)]
-        calls = [(lambda d=d: dev.launch(copy_units_kernel, -(-n // 8 // 256), 256, d["dst"], d["src"], n // 8))
-                 for d in sets]
+        calls = [(lambda d=d, n=n: dev.launch(copy_units_kernel, -(-n // 8 // 256), 256, d["dst"], d["src"],
+                                              n // 8)) for d in sets]
         got = {}
         for m in METHODS:
             us, _ = time_us(dev, calls, reps, m)

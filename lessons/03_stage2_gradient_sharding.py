@@ -51,13 +51,9 @@ from llmz.plain.stage1 import Stage1
 def lesson(a, ranks) -> int:
     N, K = ranks.world_size, a.grad_accum
     ck = common.Checks(ranks, 8)
-    trace = common.figure_name(a, ranks, "stage2_timeline", ext="json", with_k=True)
-    ref = common.make_run(a, ranks, stage=1, plain=Stage1)            # lesson 02: the reference
-    run = common.make_run(a, ranks, stage=2, plain=a.plain)           # this lesson
-    prod = common.make_run(a, ranks, stage=2, trace=trace)            # llmz.zero's, overlapping; traced
-    common.apply_break(run.zero)
+    # lesson 02's plain stage 1 (the reference), this lesson's plain stage 2, llmz.zero's (overlapping; traced)
+    trace, ref, run, prod = common.three_runs(a, ranks, 2, Stage1, "stage2_timeline")
     psi, b, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.model.config.num_layers
-    common.say_setup(a, ranks, run)
     reduce_scatters = ("reduce-scatters in backward", common.count_in_micro_steps(run, "reduce_scatter"))
     t = common.side_by_side(a, ranks, run, ref, ("stage 2", "stage 1"), prod=prod, trace=trace,
                             measure=reduce_scatters)
@@ -88,10 +84,8 @@ def lesson(a, ranks) -> int:
     common.check_overlap(ck, ranks, prod, t.events, "3/4", "a reduce-scatter starts as its block's backward ends",
                          gpu="block l's reduce-scatter beside block l-1's backward",
                          exposed="the embeddings' reduce-scatter, the last, with no layer after it")
-    run0 = common.make_run(a, ranks, stage=0, plain=Stage0)    # built for its memory report only
-    common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": ref, "stage 2": run},
-                        common.figure_name(a, ranks, "memory_per_rank"),
-                        f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")
+    common.stages_memory_chart(a, ranks, {"stage 1": ref, "stage 2": run}, {"stage 0": (0, Stage0)},
+                               "memory_per_rank")
     return ck.exit_code()
 
 

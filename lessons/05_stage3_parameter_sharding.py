@@ -68,13 +68,9 @@ def gathered(run):
 def lesson(a, ranks) -> int:
     N, K = ranks.world_size, a.grad_accum
     ck = common.Checks(ranks, 8)
-    trace = common.figure_name(a, ranks, "stage3_timeline", ext="json", with_k=True)
-    ref = common.make_run(a, ranks, stage=2, plain=Stage2)            # lesson 03: the reference
-    run = common.make_run(a, ranks, stage=3, plain=a.plain)           # this lesson
-    prod = common.make_run(a, ranks, stage=3, trace=trace)            # llmz.zero's, prefetching; traced
-    common.apply_break(run.zero)
+    # lesson 03's plain stage 2 (the reference), this lesson's plain stage 3, llmz.zero's (prefetching; traced)
+    trace, ref, run, prod = common.three_runs(a, ranks, 3, Stage2, "stage3_timeline")
     psi, b, lay, L = run.layout.num_parameters, run.dev.dtype.itemsize, run.layout, run.model.config.num_layers
-    common.say_setup(a, ranks, run)
     t = common.side_by_side(a, ranks, run, ref, ("stage 3", "stage 2"), prod=prod, trace=trace,
                             measure=("all-gathers", gathered(run)))
 
@@ -113,11 +109,8 @@ def lesson(a, ranks) -> int:
                          "block l+1's gather (backward: l-1's) starts before block l", gpu="block l+1's gather "
                          "(backward: l-1's) and the reduce-scatters beside block l", exposed="now also each gather's "
                          "end, forward block 0's gather (nothing before it), the embeddings' reduce-scatter")
-    run0 = common.make_run(a, ranks, stage=0, plain=Stage0)    # built for their memory reports only
-    run1 = common.make_run(a, ranks, stage=1, plain=Stage1)
-    common.memory_chart(a, ranks, {"stage 0": run0, "stage 1": run1, "stage 2": ref, "stage 3": run},
-                        common.figure_name(a, ranks, "memory_per_rank_stages0-3"),
-                        f"memory per rank: {a.model}, {common.n_ranks(N)}, {psi:,} parameters ({a.precision})")
+    common.stages_memory_chart(a, ranks, {"stage 2": ref, "stage 3": run},
+                               {"stage 0": (0, Stage0), "stage 1": (1, Stage1)}, "memory_per_rank_stages0-3")
     return ck.exit_code()
 
 

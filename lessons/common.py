@@ -225,6 +225,20 @@ def one_rank(ranks):
     return RankInfo(0, 1, ranks.local_rank, 1, getattr(ranks, "hostname", socket.gethostname()))
 
 
+def three_runs(a, ranks, stage: int, previous, figure: str):
+    """The runs a sharding lesson compares: the previous lesson's plain stage (`previous`, at stage - 1: the
+    reference), this lesson's plain stage (a.plain: the one the checkpoints grade, with --break applied) and
+    llmz.zero's production stage, traced into `figure`'s JSON. Says the setup; returns (trace, ref, run,
+    prod)."""
+    trace = figure_name(a, ranks, figure, ext="json", with_k=True)
+    ref = make_run(a, ranks, stage=stage - 1, plain=previous)
+    run = make_run(a, ranks, stage=stage, plain=a.plain)
+    prod = make_run(a, ranks, stage=stage, trace=trace)
+    apply_break(run.zero)
+    say_setup(a, ranks, run)
+    return trace, ref, run, prod
+
+
 def apply_break(stage) -> None:
     """LLMZ_LESSON_BREAK: remove one collective from a plain stage on purpose (see the module docstring). The
     stage's communicator (llmz.plain.base.Blocking) stops doing it: an all-reduce at stage 0 (the gradients'),
@@ -498,6 +512,17 @@ def memory_figure(reports: dict[str, dict], title: str, note: str | None = None)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
+
+
+def stages_memory_chart(a, ranks, built: dict, earlier: dict, figure: str) -> None:
+    """memory_chart of ZeRO stages side by side, one bar a stage: the runs the lesson built ({label: run}) and
+    the earlier stages' plain stages ({label: (stage, plain class)}), built here for their memory reports only;
+    titled with the model, the ranks and Ψ."""
+    runs = {label: make_run(a, ranks, stage=stage, plain=plain) for label, (stage, plain) in earlier.items()}
+    run = next(iter(built.values()))
+    memory_chart(a, ranks, {**runs, **built}, figure_name(a, ranks, figure),
+                 f"memory per rank: {a.model}, {n_ranks(ranks.world_size)}, {run.layout.num_parameters:,} "
+                 f"parameters ({a.precision})")
 
 
 def memory_chart(a, ranks, runs: dict, path: str, title: str) -> None:

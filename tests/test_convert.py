@@ -212,8 +212,8 @@ def test_a_gpt2model_folder_without_the_transformer_prefix_and_with_mask_buffers
 
 def have_transformers() -> bool:
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch
+        import transformers
     except ImportError:
         return False
     return True

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from test_encoder import MAXT, TOKENS, VP, C, forward64  # noqa: F401
+from test_encoder import MAXT, TOKENS, VP, C, forward64
 
 from helpers import assert_within_one_step, rand_bf16, rel_err
 from llmz.bf16 import bf16_to_f32, f32_to_bf16

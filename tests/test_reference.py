@@ -52,7 +52,7 @@ def dev(dt):
 
 @pytest.mark.parametrize("B, T, C, NH", SIZES)
 def test_layernorm_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
-    r = lambda *shape: rng.normal(size=shape).astype(dt)  # noqa: E731
+    r = lambda *shape: rng.normal(size=shape).astype(dt)
     inp = (r(B, T, C) * rng.uniform(0.5, 3, (B, T, 1)) + r(B, T, 1)).astype(dt)
     check(lambda *a: reference.layernorm_forward(dev, *a), layernorm_forward_ref,
           [r(B, T, C), r(B, T), r(B, T), inp, r(C), r(C)])
@@ -64,7 +64,7 @@ def test_layernorm_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
 
 @pytest.mark.parametrize("B, T, C, NH", SIZES)
 def test_gelu_and_residual_give_the_references_bits(rng, dt, dev, B, T, C, NH):
-    r = lambda *shape: rng.normal(size=shape).astype(dt)  # noqa: E731
+    r = lambda *shape: rng.normal(size=shape).astype(dt)
     x = 3 * r(B, T, 4 * C)
     check(lambda *a: reference.gelu_forward(dev, *a), gelu_forward_ref, [r(B, T, 4 * C), x])
     for accumulate in (True, False):
@@ -75,7 +75,7 @@ def test_gelu_and_residual_give_the_references_bits(rng, dt, dev, B, T, C, NH):
 
 @pytest.mark.parametrize("B, T, C, NH", SIZES)
 def test_matmul_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
-    r = lambda *shape: rng.normal(size=shape).astype(dt)  # noqa: E731
+    r = lambda *shape: rng.normal(size=shape).astype(dt)
     for OC, IC in [(3 * C, C), (C, 4 * C), (256, C)]:
         check(lambda *a: reference.matmul_forward(dev, *a), matmul_forward_ref,
               [r(B, T, OC), r(B, T, IC), r(OC, IC), r(OC)])
@@ -88,7 +88,7 @@ def test_matmul_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
 
 @pytest.mark.parametrize("B, T, C, NH", SIZES)
 def test_attention_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
-    r = lambda *shape: rng.normal(size=shape).astype(dt)  # noqa: E731
+    r = lambda *shape: rng.normal(size=shape).astype(dt)
     qkv = 2 * r(B, T, 3 * C)
     check(lambda o, p, a, i: reference.attention_forward(dev, o, p, a, i, NH),
           lambda o, p, a, i: attention_forward_ref(o, p, a, i, NH), [r(B, T, C), r(B, NH, T, T), r(B, NH, T, T), qkv])
@@ -102,7 +102,7 @@ def test_attention_gives_the_references_bits(rng, dt, dev, B, T, C, NH):
 
 @pytest.mark.parametrize("B, T, C, NH", SIZES)
 def test_classifier_embeddings_and_adamw_give_the_references_bits(rng, dt, dev, B, T, C, NH):
-    r = lambda *shape: rng.normal(size=shape).astype(dt)  # noqa: E731
+    r = lambda *shape: rng.normal(size=shape).astype(dt)
     V, Vp = 100, 128
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
     check(lambda lo, x: reference.classifier_fused(dev, lo, x, targets, 0.01, V),

@@ -16,7 +16,7 @@ def test_each_rank_gets_its_share_of_the_cores_and_at_least_one(monkeypatch, cor
 
 
 def test_share_cores_sizes_the_loaded_blas_pool_and_note_says_so(monkeypatch):
-    import numpy  # noqa: F401  (its BLAS is the pool being sized)
+    import numpy
     for var in threads.USER_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(threads, "cores", lambda: 5)

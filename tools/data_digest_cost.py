@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmz.files import read_into  # noqa: E402
+from llmz.files import read_into
 
 PIECE = 1 << 30
 

@@ -41,7 +41,7 @@ def guarded(section):
         def run(*args, **kw):
             try:
                 return fn(*args, **kw)
-            except Exception as e:  # noqa: BLE001 (report every failure, go on to the next section)
+            except Exception as e:
                 record(section, f"raised {type(e).__name__}", False, str(e).splitlines()[0][:300] if str(e) else "")
                 traceback.print_exc()
                 return None
@@ -261,7 +261,7 @@ def check_speed(fast):
         bwd = time_ms(gemm, lambda: attention_backward(gemm, dinp, dpre, datt, dout, inp, att, NH, accumulate=False,
                                                        upper_is_zero=True))
         report("gemm path (cuBLAS + softmax kernels, bf16)", fwd, bwd)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         record("c speed", "gemm path", False, f"{type(e).__name__}: {e}")
     sdpa = time_sdpa(B, T, NH, hs)
     if sdpa:
@@ -282,7 +282,7 @@ def summary():
         regs = {k: getattr(fa, k).get_regs_per_thread() for k in ("flash_forward_mma_kernel", "flash_dkv_mma_kernel",
                                                                   "flash_dq_mma_kernel")}
         print("registers per thread: " + ", ".join(f"{k} {v}" for k, v in regs.items()))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"(registers per thread not available: {e})")
     failed = [r for r in RESULTS if not r[2]]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
@@ -294,7 +294,7 @@ def main() -> int:
     check_mma()
     try:
         fast, teach = devices()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         record("setup", "devices", False, str(e))
         return summary()
     check_gpt2_size(fast, teach)
