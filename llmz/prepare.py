@@ -44,8 +44,8 @@ def read_text(path: str) -> str:
 
 def split_documents(texts: list[str], val_share: float) -> tuple[list[str], list[str]]:
     """(train documents, val documents): val is the last `val_share` of all the characters, its start moved
-    back to the start of a line (or of a document) when one lies within LINE_SEARCH characters before the cut;
-    val_share 0: every document is train."""
+    back to the start of a line (or of a document) when one lies within LINE_SEARCH characters before the cut,
+    and on past blank lines (they stay with train); val_share 0: every document is train."""
     if val_share == 0:
         return list(texts), []
     total = sum(len(t) for t in texts)
@@ -56,6 +56,8 @@ def split_documents(texts: list[str], val_share: float) -> tuple[list[str], list
         cut -= len(t)
     line = t.rfind("\n", max(0, cut - LINE_SEARCH), cut)
     at = line + 1 if line >= 0 else 0 if cut <= LINE_SEARCH else cut      # a document starts a line too
+    while 0 < at < len(t) and t[at] == "\n":      # blank lines stay with train: val starts on a line of text
+        at += 1
     train, val = texts[:k] + [t[:at]], [t[at:]] + texts[k + 1:]
     return [d for d in train if d], [d for d in val if d]
 
@@ -66,10 +68,16 @@ def encode_documents(tok, texts: list[str]) -> np.ndarray:
     if isinstance(tok, Gpt2Tokenizer):
         ids = [[tok.eot] + tok.enc.encode_ordinary(t) for t in texts]
         return np.asarray([i for doc in ids for i in doc], dtype=np.uint16)
+    return tok.encode(join_documents(texts))
+
+
+def join_documents(texts: list[str]) -> str:
+    """The texts as one, each starting after a blank line (one newline added where a text already ends in
+    one, two where it does not)."""
     joined = texts[0] if texts else ""
     for t in texts[1:]:
         joined += ("\n" if joined.endswith("\n") else "\n\n") + t
-    return tok.encode(joined)
+    return joined
 
 
 def write_dataset(token_files: dict[str, np.ndarray], tokenizer_path: str, tok) -> None:
@@ -125,7 +133,10 @@ def main(argv=None) -> int:
             tok = Gpt2Tokenizer() if args.tokenizer == "gpt2" else ByteTokenizer()
             for path in paths.values():
                 prepare_output(path, "-o")
-            train_docs, val_docs = split_documents(texts, args.val_share)
+            # bytes: the documents are one text (joined by a blank line), so train + val is that text exactly,
+            # wherever the cut falls; GPT-2: each document keeps its own end-of-text token
+            docs = texts if isinstance(tok, Gpt2Tokenizer) else [join_documents(texts)]
+            train_docs, val_docs = split_documents(docs, args.val_share)
             ids = {"train": encode_documents(tok, train_docs), "val": encode_documents(tok, val_docs)}
             for part in sorted(paths.keys() - {"tokenizer"}):
                 if ids[part].size < 2:

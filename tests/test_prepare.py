@@ -54,6 +54,17 @@ def test_val_share_zero_writes_no_val_file_and_every_token_is_train(tmp_path, rn
     assert "--val-data ''" in p.stdout
 
 
+def test_a_cut_at_a_document_boundary_loses_no_byte_and_val_starts_on_text(tmp_path):
+    # two documents of 4 bytes: joined "abc\n\ndef\n" (9 bytes), --val-share 0.5 cuts at byte 4, the blank
+    # line between them; the byte files together are the joined text, val starts on "def"
+    for i, t in enumerate(("abc\n", "def\n")):
+        (tmp_path / f"{i}.txt").write_text(t, encoding="utf-8")
+    p = run("0.txt", "1.txt", "-o", "m", "--val-share", 0.5, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    train, val = (ByteTokenizer().decode(read_tokens(str(tmp_path / f"m_{part}.bin"))) for part in ("train", "val"))
+    assert (train, val) == ("abc\n\n", "def\n")
+
+
 def test_split_moves_the_cut_back_to_a_document_start_within_reach():
     train, val = prepare.split_documents(["abc\n", "defghijk"], 0.5)
     assert (train, val) == (["abc\n"], ["defghijk"])
