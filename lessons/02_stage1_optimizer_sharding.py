@@ -3,7 +3,7 @@
 What changes from lesson 01: in stage 0 every rank runs the same AdamW on the same numbers, N times over,
 and keeps N copies of m and v. Stage 1 splits that work. Each bucket of the flat buffer is padded to a
 multiple of N and cut into N slices; rank r owns slice r of every bucket, its shard (llmz.layout), and
-keeps m and v for its shard only. The update becomes (llmz/plain/stage1.py's optimize(); in llmz.zero,
+keeps m and v for its shard only. The update becomes (llmz/plain/stage1.py replaces four parts of stage 0's; in llmz.zero,
 stage 1 of llmz.zero.STAGES: grads.py, sharded_adamw.py, params.py):
     reduce-scatter   each bucket's gradients: rank r receives the average over ranks of ITS slice only
     norm             the squares of my slices, all-reduced: every rank clips by the same global norm

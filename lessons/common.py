@@ -177,13 +177,27 @@ def shown(a, step: int) -> bool:
 
 
 def lesson_diff(name: str, builds_on: str | None) -> str:
-    """What lesson `name` changed from lesson `builds_on`: the unified diff of their plain versions (the
-    mechanism), then of the lesson files (what they measure)."""
+    """What lesson `name` changed from lesson `builds_on`: the parts of its plain stage that replace the earlier
+    stage's (stage_diff: the mechanism), then the unified diff of the lesson files (what they measure)."""
     if builds_on is None:
         return (f"{name} builds on no earlier lesson (it is the first, or an experiment of its own): read "
                 f"{plain_file(name)} and lessons/{name}.py whole\n")
-    return (file_diff(plain_file(builds_on), plain_file(name)) +
-            file_diff(f"lessons/{builds_on}.py", f"lessons/{name}.py"))
+    return stage_diff(builds_on, name) + file_diff(f"lessons/{builds_on}.py", f"lessons/{name}.py")
+
+
+def stage_diff(before: str, after: str) -> str:
+    """Each plain stage is the one before with some parts replaced (a subclass: llmz/plain/step.py's docstring).
+    The unified diff of those parts: on the old side each part as lesson `before`'s stage has it (its own, or
+    inherited), on the new side lesson `after`'s class as its file writes it."""
+    import inspect
+    old, new = (getattr(importlib.import_module(f"llmz.plain.{PLAIN[n][0]}"), PLAIN[n][1]) for n in (before, after))
+    mine = [k for k, v in vars(new).items() if inspect.isfunction(v)]
+    had = [inspect.getsource(getattr(old, k)) for k in mine if inspect.isfunction(getattr(old, k, None))]
+    before_text = f"class {old.__name__}({old.__bases__[0].__name__}):\n" + "\n".join(had)
+    after_text = inspect.getsource(new)
+    return "".join(difflib.unified_diff(before_text.splitlines(keepends=True), after_text.splitlines(keepends=True),
+                                        f"{plain_file(before)}: {old.__name__}, the parts {new.__name__} replaces",
+                                        f"{plain_file(after)}: {new.__name__}"))
 
 
 def file_diff(old: str, new: str) -> str:

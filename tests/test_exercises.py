@@ -37,15 +37,25 @@ def grade(lesson: str, mine, tmp_path):
     return p, verdicts
 
 
+def docstring_and_code(path) -> tuple[str, list[str]]:
+    """A plain version's module docstring (its text) and the lines after it."""
+    lines = (REPO / path).read_text().splitlines(keepends=True)
+    end = next(i for i, line in enumerate(lines) if line.rstrip().endswith('"""') and (i or line.count('"""') == 2))
+    return "".join(lines[:end + 1]).strip().strip('"'), lines[end + 1:]
+
+
 @pytest.mark.parametrize("lesson", EXERCISES)
 def test_an_exercise_is_its_plain_version_with_only_its_gaps_removed(lesson):
-    """Outside its opening comment (how to run it), the exercise is the solution line for line, but for its
-    gaps: each replaces a run of the solution's lines by one raise statement at their indentation, and the
-    gaps are numbered 1 .. M in file order."""
-    ours = (REPO / solution(lesson)).read_text().splitlines(keepends=True)
+    """The exercise opens with a comment: how to run it, then the plain version's docstring (what to write).
+    After it, the exercise is the solution line for line, but for its gaps: each replaces a run of the
+    solution's lines by one raise statement at their indentation, and the gaps are numbered 1 .. M in file
+    order."""
+    doc, ours = docstring_and_code(solution(lesson))
     theirs = (REPO / exercise(lesson)).read_text().splitlines(keepends=True)
     head = next(i for i, line in enumerate(theirs) if not line.startswith("#"))
     assert f"--mine {exercise(lesson)}" in "".join(theirs[:head])
+    said = " ".join(line.lstrip("#").strip() for line in theirs[:head])
+    assert " ".join(doc.split()) in said, said
     theirs = theirs[head:]
     numbers = []
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=ours, b=theirs, autojunk=False).get_opcodes():
@@ -107,10 +117,10 @@ WRONG = [
     ("02_stage1_optimizer_sharding", "the norm of my slices only: each rank clips by its own",
      'self.comm.all_reduce(self.norm_sq, op="sum")', "pass", {1, 5}),
     ("02_stage1_optimizer_sharding", "AdamW on rank 0's slice on every rank",
-     "*L.shard_range(b, r), L.shard_offset(b)", "*L.shard_range(b, 0), L.shard_offset(b)", {1, 5}),
+     "*L.shard_range(b, self.rank), L.shard_offset(b)", "*L.shard_range(b, 0), L.shard_offset(b)", {1, 5}),
     ("02_stage1_optimizer_sharding", "m and v kept whole: the right numbers, no memory saved",
-     'self.m = self.alloc("optimizer_state", L.shard_total)', 'self.m = self.alloc("optimizer_state", L.total)',
-     {3}),
+     'self.m = self.alloc("optimizer_state", self.layout.shard_total)',
+     'self.m = self.alloc("optimizer_state", self.layout.total)', {3}),
     ("02_stage1_optimizer_sharding", "a sum where the mean belongs",
      'self.comm.reduce_scatter(L.bucket_buffer(self.grads, b), op="avg")',
      'self.comm.reduce_scatter(L.bucket_buffer(self.grads, b), op="sum")', {1}),

@@ -118,10 +118,21 @@ def file_diff(old: str, new: str) -> str:
     return "".join(difflib.unified_diff(before, after, old, new))
 
 
+# What each lesson's --diff must show arriving (+) and leaving (-): its collective, where the lesson says
+MOVES = {"01": (["self.comm.all_reduce(L.bucket_buffer(self.grads, b)"], []),
+         "02": (["self.comm.reduce_scatter(L.bucket_buffer(self.grads, b)", "self.comm.all_gather(",
+                 'self.alloc("optimizer_state", self.layout.shard_total)'],
+                ["self.comm.all_reduce(L.bucket_buffer(self.grads, b)"]),
+         "03": (['self.comm.reduce_scatter(buf, op="avg")', "self.slots = ", "self.grad_shard = "],
+                ["self.comm.reduce_scatter(L.bucket_buffer(self.grads, b)", "self.grads = "]),
+         "05": (["self.comm.all_gather(slot, src=self.param_shard", "self.param_shard = "], ["self.params = "])}
+
+
 @pytest.mark.parametrize("name", lesson_files())
-def test_diff_shows_the_mechanism_a_lesson_changed_then_its_file(name):
-    """--diff: the unified diff of the plain versions (llmz/plain/) of the lesson its docstring builds on and
-    of this one, then of the two lesson files. The mechanism's part stays within 80 lines."""
+def test_diff_shows_the_parts_a_lesson_replaced_then_its_file(name):
+    """--diff: each plain stage is the earlier lesson's with some parts replaced (a subclass, llmz/plain/), so
+    the mechanism's diff is those parts as the earlier stage has them beside the new ones: within 80 lines,
+    with the lesson's collective arriving where the lesson says (MOVES). Then the two lesson files' diff."""
     from lessons.common import plain_file
     text = (REPO / "lessons" / f"{name}.py").read_text()
     said = re.search(r"What changes from lesson (\d\d)", text)
@@ -133,10 +144,15 @@ def test_diff_shows_the_mechanism_a_lesson_changed_then_its_file(name):
         assert plain_file(name) in p.stdout
         return
     before = next(n for n in lesson_files() if n.startswith(said.group(1)))
-    mechanism = file_diff(plain_file(before), plain_file(name))
-    assert p.stdout == mechanism + file_diff(f"lessons/{before}.py", f"lessons/{name}.py")
-    assert p.stdout.startswith(f"--- {plain_file(before)}\n"), p.stdout[:200]
+    files = file_diff(f"lessons/{before}.py", f"lessons/{name}.py")
+    assert p.stdout.endswith(files)
+    mechanism = p.stdout[:len(p.stdout) - len(files)]
+    assert mechanism.startswith(f"--- {plain_file(before)}: ") and f"+++ {plain_file(name)}: " in mechanism
     assert 0 < mechanism.count("\n") <= 80, mechanism
+    lines = mechanism.splitlines()[2:]
+    arrive, leave = MOVES[name[:2]]
+    for what, sign in [(w, "+") for w in arrive] + [(w, "-") for w in leave]:
+        assert any(line.startswith(sign) and what in line for line in lines), (sign, what, mechanism)
 
 
 def test_lesson_01_alone_says_it_means_mpiexec_and_marks_its_trivial_checkpoints():

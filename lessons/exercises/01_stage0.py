@@ -2,45 +2,19 @@
 # NotImplementedError that says what belongs there), then grade your file with the lesson's checkpoints:
 #     mpiexec -n 2 python -m lessons.01_stage0_data_parallel --mine lessons/exercises/01_stage0.py
 # It stops at the first gap it reaches; once none is left, each checkpoint that fails names what is wrong.
-"""ZeRO stage 0, plain: data parallelism. Every rank holds every parameter, every gradient and AdamW's m and
-v, and runs backward on its own batch; then every bucket's gradients are all-reduced (averaged over the
-ranks), so every rank runs the same AdamW on the same numbers and the parameters stay identical."""
+#
+# ZeRO stage 0, plain: data parallelism. Every rank holds every parameter, every gradient and AdamW's m and
+# v, and runs backward on its own batch; then, before the update, every bucket's gradients are all-reduced
+# (averaged over the ranks), so every rank runs the same AdamW on the same numbers and the parameters stay
+# identical. All the rest is lesson 00's step (llmz/plain/step.py).
 from __future__ import annotations
 
-from llmz.model import FullParams
-from llmz.plain.base import PlainStage
+from llmz.plain.step import OneDevice
 
 
-class Stage0(PlainStage):
-    stage = 0
-
-    def __init__(self, layout, dev, comm, opt, params_host):
-        super().__init__(layout, dev, comm, opt)
-        L = layout
-        self.params = self.alloc("parameters", L.total, params_host)   # bucket by bucket (llmz.layout)
-        self.param_store = FullParams(L, self.params)           # what the model reads: .bucket(b)
-        self.grads = self.alloc("gradients", L.total)           # laid out as the parameters
-        self.grad_views = L.views(self.grads)
-        self.m = self.alloc("optimizer_state", L.total)         # AdamW's moments, laid out as the parameters
-        self.v = self.alloc("optimizer_state", L.total)
-
-    # ---- backward (llmz.model): where bucket b's gradients accumulate, and the moment they are complete ----
-    def bucket(self, b: int) -> dict:
-        return self.grad_views[b]
-
-    def done(self, b: int) -> None:
-        pass
-
-    # ---- the update, after the last micro-step ------------------------------------------------------------
-    def optimize(self) -> None:
+class Stage0(OneDevice):
+    def reduce_gradients(self) -> None:
         L = self.layout
-        raise NotImplementedError("gap 1 of 1: every rank's gradients, averaged over the ranks, on every"
-                                  " rank: for each bucket b of L.buckets, self.comm.all_reduce(buf, op=...)"
-                                  " its stretch of self.grads, L.bucket_buffer(self.grads, b)")
-        self.norm_squared([self.grads])                         # the gradient's norm, squared
-        self.clip()                                             # longer than grad_clip: scaled down to it
-        for b in L.buckets:                                     # AdamW on every bucket, whole
-            s, e, at = 0, b.padded_size, b.offset               # [s, e) of bucket b, at `at` in m and v
-            self.adamw(b, s, e, L.bucket_buffer(self.params, b)[s:e], L.bucket_buffer(self.grads, b)[s:e],
-                       self.m[at:at + e - s], self.v[at:at + e - s])
-        self.k.zero(self.dev, self.grads)                       # backward accumulates: start from zero
+        raise NotImplementedError("gap 1 of 1: every rank's gradients, averaged over the ranks, on every rank: "
+                                  "for each bucket b of L.buckets, self.comm.all_reduce(buf, op=...) its "
+                                  "stretch of self.grads, L.bucket_buffer(self.grads, b)")

@@ -2,81 +2,62 @@
 # NotImplementedError that says what belongs there), then grade your file with the lesson's checkpoints:
 #     mpiexec -n 2 python -m lessons.05_stage3_parameter_sharding --mine lessons/exercises/05_stage3.py
 # It stops at the first gap it reaches; once none is left, each checkpoint that fails names what is wrong.
-"""ZeRO stage 3, plain: parameter sharding. As stage 2, but the full parameters are never kept either: my
-parameter shard is what AdamW moves, and when the model asks for a block (param_store.bucket(b), in forward
-and again in backward) its parameters are all-gathered from every rank's slice into slot l % 2 of two slots.
-The embeddings and the final layernorm, used at both ends, are gathered once a step, after the update, and
-kept."""
+#
+# ZeRO stage 3, plain: parameter sharding. As stage 2, but the full parameters are never kept either: my
+# parameter shard is what AdamW moves, and when the model asks for a block (param_store.bucket(b), in forward
+# and again in backward) its parameters are all-gathered from every rank's slice into slot l % 2 of two slots.
+# The embeddings and the final layernorm, used at both ends, are gathered once a step, after the update, and
+# kept.
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import numpy as np
 
-from llmz.plain.base import PlainStage
+from llmz.plain.stage2 import Stage2
 
 
-class Stage3(PlainStage):
+class Stage3(Stage2):
     stage = 3
 
-    def __init__(self, layout, dev, comm, opt, params_host):
-        super().__init__(layout, dev, comm, opt)
-        L = layout
-        raise NotImplementedError("gap 1 of 4: my parameter shard: self.param_shard, my slice of every"
-                                  " bucket of params_host (the full host parameters), one after another"
-                                  " (self.alloc('parameters', n, values))")
+    def hold_parameters(self, params_host) -> None:
+        L = self.layout
+        raise NotImplementedError("gap 1 of 5: my parameter shard: self.param_shard, my slice of every bucket "
+                                  "of params_host (the full host parameters), one after another "
+                                  "(self.alloc('parameters', n, values))")
         slot = max(b.padded_size for b in L.buckets[1:-1])      # the largest block
         self.param_slots = [self.alloc("parameters", slot), self.alloc("parameters", slot)]
         self.param_ends = {b.index: self.alloc("parameters", b.padded_size, L.bucket_buffer(params_host, b))
                            for b in (L.embeddings, L.lnf)}
-        self.param_store = SimpleNamespace(bucket=lambda b: L.buckets[b].views(self.gather(b)))  # the model's
-        self.grad_shard = self.alloc("gradients", L.shard_total)       # my slice of every bucket
-        self.slots = [self.alloc("gradients", slot), self.alloc("gradients", slot)]
-        self.ends = {b.index: self.alloc("gradients", b.padded_size) for b in (L.embeddings, L.lnf)}
-        self.m = self.alloc("optimizer_state", L.shard_total)   # AdamW's moments, my slice of every bucket
-        self.v = self.alloc("optimizer_state", L.shard_total)
+        raise NotImplementedError("gap 2 of 5: self.param_store, what the model reads: an object whose "
+                                  ".bucket(b) returns bucket b's named views (L.buckets[b].views) of its "
+                                  "parameters, gathered just then (self.gather(b))")
 
     # ---- forward and backward (llmz.model): bucket b's parameters, gathered just before they are used ------
     def gather(self, b: int):
         if b in self.param_ends:                                # gathered after the last update
             return self.param_ends[b]
         bucket = self.layout.buckets[b]
-        raise NotImplementedError("gap 2 of 4: block b's full parameters, gathered into `slot`: slot l % 2"
-                                  " of self.param_slots cut to the bucket's padded size, every rank"
-                                  " contributing its slice of the bucket from its shard"
-                                  " (self.comm.all_gather(slot, src=...))")
+        slot, at = self.param_slots[(b - 1) % 2][:bucket.padded_size], self.layout.shard_offset(bucket)
+        raise NotImplementedError("gap 3 of 5: block b's full parameters, gathered into `slot`, every rank "
+                                  "contributing its slice of the bucket from its shard "
+                                  "(self.comm.all_gather(slot, src=...))")
         return slot
 
     def full_parameters(self):
         """Every parameter on the host: each bucket gathered once more (every rank calls it)."""
         return np.concatenate([self.dev.to_host(self.gather(b.index)).copy() for b in self.layout.buckets])
 
-    # ---- backward (llmz.model): where bucket b's gradients accumulate, and the moment they are complete ----
-    def buffer(self, b: int):
-        """Where bucket b's gradients go: block l's into slot l % 2, the embeddings' and lnf's their own."""
-        buf = self.ends[b] if b in self.ends else self.slots[(b - 1) % 2]
-        return buf[:self.layout.buckets[b].padded_size]
-
-    def bucket(self, b: int) -> dict:
-        return self.layout.buckets[b].views(self.buffer(b))
-
-    def done(self, b: int) -> None:
-        bucket, buf = self.layout.buckets[b], self.buffer(b)
-        self.comm.reduce_scatter(buf, op="avg")                 # my slice of the bucket: the ranks' average
-        at = self.layout.shard_offset(bucket)                   # my shard += my slice; the buffer = 0
-        self.k.accumulate_shard(self.dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank)
-
     # ---- the update, after the last micro-step ------------------------------------------------------------
-    def optimize(self) -> None:
-        L, r = self.layout, self.rank
-        self.norm_squared([self.grad_shard])                    # my slices, averaged over the ranks and K
-        self.comm.all_reduce(self.norm_sq, op="sum")            # each rank summed the squares of its slices
-        self.clip()                                             # longer than grad_clip: scaled down to it
-        for b in L.buckets:                                     # AdamW on my slice of every bucket
-            s, e, at = *L.shard_range(b, r), L.shard_offset(b)  # [s, e) of bucket b, at `at` in m and v
-            raise NotImplementedError("gap 3 of 4: AdamW on my slice [s, e) of bucket b: the parameters"
-                                      " now live in my shard")
-        raise NotImplementedError("gap 4 of 4: the embeddings and lnf, gathered whole for the next step"
-                                  " into self.param_ends, every rank contributing its slice"
-                                  " (self.comm.all_gather(buf, src=...))")
-        self.k.zero(self.dev, self.grad_shard)                  # done(b) accumulates: start from zero
+    def my_part(self, b) -> tuple:
+        raise NotImplementedError("gap 4 of 5: what AdamW updates of bucket b (as Stage2.my_part returns it): "
+                                  "my slice [s, e), its parameters, gradients, m and v, the parameters now from"
+                                  " my shard")
+
+    def share_parameters(self) -> None:
+        L = self.layout
+        for b in (L.embeddings, L.lnf):                         # gathered once a step and kept
+            at = L.shard_offset(b)
+            raise NotImplementedError("gap 5 of 5: the embeddings and lnf, gathered whole for the next step "
+                                      "into self.param_ends, every rank contributing its slice "
+                                      "(self.comm.all_gather(buf, src=...))")

@@ -12,12 +12,17 @@ Each is llmz.zero's stage with everything that is about speed taken out: every c
 (base.Blocking: no streams, no events, nothing left in flight), no CUDA graph, no timeline, no bf16. The math
 is the op set's (dev.ops: the norm, the clip factor, AdamW, the shard accumulation), called in the order
 llmz.zero calls it, so after any number of steps a plain stage holds the same parameters as llmz.zero's, bit
-for bit (fp64 on CPU ranks; fp32 without TF32 on a GPU): every lesson checks it. Each consecutive pair differs
-by its lesson's idea: `python -m lessons.03_stage2_gradient_sharding --diff` prints that difference.
+for bit (fp64 on CPU ranks; fp32 without TF32 on a GPU): every lesson checks it.
+
+step.py writes the training step as parts (what a rank holds; where backward puts a bucket's gradients and
+what happens once they are complete; the update's collectives, the norm, the part of each bucket this rank
+updates), and each stage is the one before with the parts its lesson's idea changes replaced: Stage0(OneDevice),
+Stage1(Stage0), Stage2(Stage1), Stage3(Stage2). A stage's file is what its stage changes, and
+`python -m lessons.03_stage2_gradient_sharding --diff` sets each replaced part beside the version it replaces.
 lessons/exercises/ holds each with its key lines removed, for a learner to write back.
 
 A stage answers what llmz.trainer.Trainer asks of llmz.zero's (base.PlainStage has the plumbing): param_store,
-what the model reads (param_store.bucket(b): bucket b's parameters by name); bucket(b) and done(b), where backward
-accumulates bucket b's gradients and the moment they are complete; optimize(), the update after the last
-micro-step.
+what the model reads (param_store.bucket(b): bucket b's parameters by name); bucket(b) and done(b), where
+backward accumulates bucket b's gradients and the moment they are complete; optimize(), the update after the
+last micro-step.
 """

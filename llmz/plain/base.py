@@ -40,7 +40,8 @@ class Blocking:
 
 
 class PlainStage:
-    """The plumbing of a plain stage. A stage adds `stage`, `param_store`, bucket(b), done(b) and optimize()."""
+    """The plumbing under every plain stage. llmz/plain/step.py's OneDevice adds `stage`, what a rank holds
+    (`param_store` among it), bucket(b), done(b) and optimize(); each later stage replaces some of its parts."""
 
     master = None                                   # no fp32 master copy: the values are fp32 or fp64
 

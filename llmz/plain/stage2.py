@@ -1,27 +1,22 @@
 """ZeRO stage 2, plain: gradient sharding. As stage 1, but the full gradient is never kept: backward writes
 block l's gradients into slot l % 2 of two slots (the embeddings' and the final layernorm's into buffers of
 their own), and the moment a bucket is complete, done(b) reduce-scatters it and adds my slice into my gradient
-shard, every micro-step. (Each reduce-scatter ends before done(b) returns, so one slot would do here.)"""
+shard, every micro-step; the update has nothing left to reduce. (Each reduce-scatter ends before done(b)
+returns, so one slot would do here; llmz.zero's does not wait.)"""
 from __future__ import annotations
 
-from llmz.model import FullParams
-from llmz.plain.base import PlainStage
+from llmz.plain.stage1 import Stage1
 
 
-class Stage2(PlainStage):
+class Stage2(Stage1):
     stage = 2
 
-    def __init__(self, layout, dev, comm, opt, params_host):
-        super().__init__(layout, dev, comm, opt)
-        L = layout
-        self.params = self.alloc("parameters", L.total, params_host)   # bucket by bucket (llmz.layout)
-        self.param_store = FullParams(L, self.params)           # what the model reads: .bucket(b)
-        slot = max(b.padded_size for b in L.buckets[1:-1])      # the largest block
+    def hold_gradients(self) -> None:
+        L = self.layout
         self.grad_shard = self.alloc("gradients", L.shard_total)       # my slice of every bucket
+        slot = max(b.padded_size for b in L.buckets[1:-1])      # the largest block
         self.slots = [self.alloc("gradients", slot), self.alloc("gradients", slot)]
         self.ends = {b.index: self.alloc("gradients", b.padded_size) for b in (L.embeddings, L.lnf)}
-        self.m = self.alloc("optimizer_state", L.shard_total)   # AdamW's moments, my slice of every bucket
-        self.v = self.alloc("optimizer_state", L.shard_total)
 
     # ---- backward (llmz.model): where bucket b's gradients accumulate, and the moment they are complete ----
     def buffer(self, b: int):
@@ -39,15 +34,18 @@ class Stage2(PlainStage):
         self.k.accumulate_shard(self.dev, self.grad_shard[at:at + bucket.shard_size], buf, self.rank)
 
     # ---- the update, after the last micro-step ------------------------------------------------------------
-    def optimize(self) -> None:
-        L, r = self.layout, self.rank
+    def reduce_gradients(self) -> None:
+        """Nothing: done(b) reduce-scattered every bucket during backward."""
+
+    def my_part(self, b) -> tuple:
+        L = self.layout
+        s, e, at = *L.shard_range(b, self.rank), L.shard_offset(b)     # my slice, at `at` in m and v
+        return (s, e, L.bucket_buffer(self.params, b)[s:e], self.grad_shard[at:at + e - s],
+                self.m[at:at + e - s], self.v[at:at + e - s])
+
+    def gradient_norm(self) -> None:
         self.norm_squared([self.grad_shard])                    # my slices, averaged over the ranks and K
         self.comm.all_reduce(self.norm_sq, op="sum")            # each rank summed the squares of its slices
-        self.clip()                                             # longer than grad_clip: scaled down to it
-        for b in L.buckets:                                     # AdamW on my slice of every bucket
-            s, e, at = *L.shard_range(b, r), L.shard_offset(b)  # [s, e) of bucket b, at `at` in m and v
-            self.adamw(b, s, e, L.bucket_buffer(self.params, b)[s:e], self.grad_shard[at:at + e - s],
-                       self.m[at:at + e - s], self.v[at:at + e - s])
-        for b in L.buckets:                                     # every rank's slices to every rank
-            self.comm.all_gather(L.bucket_buffer(self.params, b))
-        self.k.zero(self.dev, self.grad_shard)                  # done(b) accumulates: start from zero
+
+    def zero_gradients(self) -> None:
+        self.k.zero(self.dev, self.grad_shard)                  # done(b) accumulates
