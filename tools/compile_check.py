@@ -60,11 +60,17 @@ def word(bf16: bool):
 
 
 def signatures(bf16: bool) -> dict:
-    """"module:kernel" -> argument types, as the layer functions launch it on a GPU."""
+    """"module:kernel" -> argument types, as the layer functions launch it on a GPU: the fast set's, the
+    teaching set's, and those of the precision's own kernels."""
+    sigs = {**fast_signatures(bf16), **teaching_signatures(bf16)}
+    sigs.update(precision_signatures(bf16))
+    return sigs
+
+
+def fast_signatures(bf16: bool) -> dict:
     v, w = value(bf16), word(bf16)
-    ln_fwd = (A(v, 2), A(f32), A(f32), A(v, 2), A(v), A(v))
-    ln_bwd = (A(v, 2), A(v, 2), A(v, 2), A(v), A(f32), A(f32))
-    sigs = {
+    ln_fwd, ln_bwd = layernorm_signatures(bf16)
+    return {
         # ---- the fast set ----
         "llmz.fast.gelu:gelu_forward_pairs_kernel": (A(w), A(w), i64),
         "llmz.fast.gelu:gelu_backward_pairs_kernel": (A(w), A(w), A(w), i64, b1),
@@ -97,6 +103,19 @@ def signatures(bf16: bool) -> dict:
         "llmz.fast.mma:mma_tile_kernel": (A(f32, 2), A(u32, 2), A(u32, 2), A(u32, 2), A(f32, 2)),
         "llmz.fast.mma:tile_probe_kernel": (A(u32), A(f32), A(u32, 3), A(u32, 3), A(u32, 2), A(u32, 2), A(f32),
                                             i64),
+    }
+
+
+def layernorm_signatures(bf16: bool) -> tuple:
+    """The layernorm forward's and backward's argument types, alike in both sets."""
+    v = value(bf16)
+    return (A(v, 2), A(f32), A(f32), A(v, 2), A(v), A(v)), (A(v, 2), A(v, 2), A(v, 2), A(v), A(f32), A(f32))
+
+
+def teaching_signatures(bf16: bool) -> dict:
+    v = value(bf16)
+    ln_fwd, ln_bwd = layernorm_signatures(bf16)
+    return {
         # ---- the teaching set ----
         "llmz.kernels.encoder:encoder_forward_kernel": (A(v, 3), A(i32, 2), A(v, 2), A(v, 2)),
         "llmz.kernels.encoder:encoder_backward_wpe_kernel": (A(v, 2), A(v, 3)),
@@ -129,8 +148,12 @@ def signatures(bf16: bool) -> dict:
         "llmz.kernels.norm:clip_scale_kernel": (A(f64), A(f64), f64),
         "llmz.kernels.fill:fill_kernel": (A(v), i64, f64),
     }
+
+
+def precision_signatures(bf16: bool) -> dict:
+    """The kernels of the precision alone: bf16's conversions, AdamW and shard accumulation, or fp32's."""
     if bf16:
-        sigs.update({
+        return {
             "llmz.fast.adamw:adamw_bf16_pairs_kernel": (A(u32), A(u64), A(u32), A(u64), A(u64), i64, A(f64), f64,
                                                         f64, f64, f64, b1, u64, u64, i64),
             "llmz.kernels.adamw:adamw_bf16_kernel": (A(u16), A(f32), A(u16), A(f32), A(f32), i64, A(f64), f64, f64,
@@ -139,14 +162,11 @@ def signatures(bf16: bool) -> dict:
                                                                      A(u64), u64),
             "llmz.kernels.bf16:to_bf16_kernel": (A(u16), A(f32), b1, u64, u64, u64, i64),
             "llmz.kernels.bf16:from_bf16_kernel": (A(f32), A(u16), i64),
-        })
-    else:
-        sigs.update({
-            "llmz.kernels.adamw:adamw_kernel": (A(f32), A(f32), A(f32), A(f32), i64, A(f64), f64, f64, f64, f64,
-                                                i64),
-            "llmz.kernels.accumulate:accumulate_shard_kernel": (A(f32), A(f32), i64, i64, i64),
-        })
-    return sigs
+        }
+    return {
+        "llmz.kernels.adamw:adamw_kernel": (A(f32), A(f32), A(f32), A(f32), i64, A(f64), f64, f64, f64, f64, i64),
+        "llmz.kernels.accumulate:accumulate_shard_kernel": (A(f32), A(f32), i64, i64, i64),
+    }
 
 
 def dev_signatures(bf16: bool) -> dict:

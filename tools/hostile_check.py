@@ -670,13 +670,9 @@ class Case:
     bound: float = 10.0                           # watchdog, ends, signal: seconds from the fault to the end
 
 
-def cases() -> list[Case]:
+def start_cases(add) -> None:
+    """The baselines, numbers that can never be right, runaway numbers, vocabularies."""
     fx = "{fx}"
-    c = []
-
-    def add(name, argv, expect, **kw):
-        c.append(Case(name, argv, expect, **kw))
-
     # sanity: the baselines must run
     add("baseline: tiny train run", train(), "runs", run_checks=[exists("final.bin"), log_ended()])
     add("baseline: sample", sample_model(), "runs")
@@ -741,6 +737,11 @@ def cases() -> list[Case]:
         run_checks=survive)
     add("train --train-data with token ids >= V", train("--train-data", f"{fx}/tok_ids_300.bin"), "refuse")
 
+
+
+def special_file_cases(add) -> None:
+    """A FIFO, /dev/zero, a 100 GB sparse file and a folder where a file belongs."""
+    fx = "{fx}"
     # special files as inputs: a FIFO, /dev/zero, a 100 GB sparse file, a folder
     for what, path in [("a FIFO", f"{fx}/fifo"), ("/dev/zero", "/dev/zero"),
                        ("a 100G sparse file", f"{fx}/sparse_100g.bin"), ("a folder", f"{fx}/a_folder")]:
@@ -758,6 +759,11 @@ def cases() -> list[Case]:
     add("sample --init-from a sparse file with an L=96 C=1600 header (too big for memory)",
         sample("--init-from", f"{fx}/model_l96_sparse.bin"), "refuse")
 
+
+def file_cases(add) -> None:
+    """Outputs, and data, model, tokenizer and checkpoint files wrong in every way a file can be."""
+    fx = "{fx}"
+    survive = [exists("final.bin"), log_ended()]            # the model and the log, whole
     # outputs
     add("train --log a folder", train("--log", "{d}/out"), "refuse", setup=make_folder("out"))
     add("train --save a folder", train("--save", "{d}/out"), "refuse", setup=make_folder("out"))
@@ -828,6 +834,11 @@ def cases() -> list[Case]:
     add("sample --tokenizer shipped byte tokenizer file --prompt",
         sample_model("--tokenizer", str(SHIPPED_BYTE_TOKENIZER), "--prompt", "ROMEO:"), "runs")
 
+
+def checkpoint_cases(add) -> None:
+    """Checkpoint folders: damaged, foreign, of another run."""
+    fx = "{fx}"
+    survive = [exists("final.bin"), log_ended()]            # the model and the log, whole
     # checkpoint folders
     resume = ("--resume", "{d}/ck/step_000002")
     add("train --resume a non-existent folder", train_from("--resume", "{d}/nowhere/step_000002"), "refuse")
@@ -863,6 +874,10 @@ def cases() -> list[Case]:
     add("train --checkpoint-dir with a stale lock", train("--checkpoint-dir", "{d}/ck"), "runs",
         setup=stale_lock("ck/llmz.lock"), run_checks=survive)
 
+
+def name_cases(add) -> None:
+    """One file under other names, logs that are not logs, names the filesystem cannot hold, prompts, signals."""
+    survive = [exists("final.bin"), log_ended()]            # the model and the log, whole
     # outputs: the same file under another name; a --log that is not a log; names the filesystem cannot hold
     notes = "my notes\nline 2\n"
     add("train --log alias.jsonl -> log.jsonl, locked by a live run", train("--log", "{d}/alias.jsonl"),
@@ -922,6 +937,9 @@ def cases() -> list[Case]:
                                                       "--checkpoint-every", "5"),
             "signal", during=to_process(sig), checks=[checkpoint_loads], timeout=300)
 
+
+def rank_cases(add) -> None:
+    """Several ranks: a rank that fails or never arrives, data known by its content."""
     # several ranks
     mpi = [mpiexec(), "-n", "2"]
     add("mpiexec -n 2 with ranks that read different data (a relative --train-data from two folders)",
@@ -992,6 +1010,11 @@ def cases() -> list[Case]:
                    "{d}/theirs.jsonl"), "refuse", setup=other_runs_log,
         checks=[same_file("theirs.jsonl", "theirs.jsonl.orig")])
 
+
+def odd_input_cases(add) -> None:
+    """The last odd inputs, and a bad flag that must end the whole job at once."""
+    fx = "{fx}"
+    survive = [exists("final.bin"), log_ended()]            # the model and the log, whole
     # the last odd inputs: JSON nested 100,000 deep, a shape whose product wraps, a stdout that takes nothing,
     # a refused conversion's folder, the longest prefix llmz.prepare takes
     deep = deep_json()
@@ -1025,6 +1048,16 @@ def cases() -> list[Case]:
         timeout=20)
     add("mpiexec -n 2 train --init-from a FIFO", [*mpi, *train_from("--init-from", f"{fx}/fifo")], "refuse",
         timeout=20)
+
+
+def cases() -> list[Case]:
+    c = []
+
+    def add(name, argv, expect, **kw):
+        c.append(Case(name, argv, expect, **kw))
+
+    for group in (start_cases, special_file_cases, file_cases, checkpoint_cases, name_cases, rank_cases, odd_input_cases):
+        group(add)
     return c
 
 
