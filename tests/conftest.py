@@ -69,6 +69,17 @@ QUICK = [
     "tests/test_watchdog.py::test_a_rank_that_cannot_start_mpi_says_why_in_its_own_line_and_ends_the_job",
 ]
 GPU_SKIP = "needs a CUDA GPU (CuPy sees none)"
+# The tests that take 10 s or more on the 2-core machine (the simulator's whole-model runs, a tool's fault
+# case, lessons and resumes across world sizes; --durations=40 shows them), every parametrization of each: run
+# first, so that the workers end on short tests instead of one waiting for the other's long one.
+SLOW = [
+    "tests/test_recompute.py::test_recompute_gives_the_same_losses_and_gradients_bit_for_bit",
+    "tests/test_model.py::test_model_kernels_match_reference_logits_loss_and_every_gradient",
+    "tests/test_tools.py::test_hostile_check_a_stopped_rank_and_a_live_log_under_another_name",
+    "tests/test_flash_attention.py::test_model_step_with_flash_attention_matches_direct_attention",
+    "tests/test_lessons.py::test_lesson_on_two_ranks_passes_every_checkpoint",
+    "tests/test_resume.py::test_resume_across_world_sizes_and_stages_matches_the_straight_run",
+]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,6 +89,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
         if "gpu" in item.keywords and not HAVE_GPU:
             item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
+    items.sort(key=lambda item: item.nodeid.split("[")[0] not in SLOW)     # stable: the rest keep their order
 
 
 # Fresh random inputs on every run, reproducible: one seed a session (printed in pytest's header; set

@@ -1,26 +1,34 @@
 """The test commands README promises: the full suite is exactly what .ci/run runs; the quick suite names only
 tests that exist and takes every layer and every ZeRO stage; every command setup.cfg installs answers --help."""
 import configparser
+import functools
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import QUICK
+from conftest import QUICK, SLOW
 
 from mpirun import REPO
 
 
-def collected() -> set[str]:
+@functools.cache
+def collected() -> frozenset[str]:
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"], cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    return {line for line in p.stdout.splitlines() if "::" in line}
+    return frozenset(line for line in p.stdout.splitlines() if "::" in line)
 
 
 def test_every_quick_test_exists():
     missing = sorted(set(QUICK) - collected())
     assert not missing, f"tests/conftest.py's QUICK names tests that do not exist (renamed?): {missing}"
+
+
+def test_every_slow_test_exists():
+    names = {nodeid.split("[")[0] for nodeid in collected()}
+    missing = sorted(set(SLOW) - names)
+    assert not missing, f"tests/conftest.py's SLOW names tests that do not exist (renamed?): {missing}"
 
 
 def test_the_quick_suite_takes_every_layer_and_every_zero_stage():
