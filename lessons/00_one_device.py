@@ -16,8 +16,10 @@ One training step:
     update     the gradient norm, clipping, then AdamW: p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p);
                then the gradients are zeroed for the next step
 The update is llmz/plain/step.py: read it first (one screen). It is what this lesson trains with; llmz.zero's
-stage 0, the production code, trains beside it and must end with the same bits. Each later lesson changes that
-file into the next ZeRO stage (llmz/plain/, `--diff`).
+stage 0, the production code, trains beside it and must end with the same bits. It writes the step as parts
+(what a rank holds, where backward puts a bucket's gradients, the update's collectives and the part of each
+bucket a rank updates); each later lesson's ZeRO stage is the one before with some of those parts replaced
+(llmz/plain/stage0.py ... stage3.py, each a subclass; `--diff` shows the parts a lesson replaced).
 
 Memory on one device, with Ψ parameters and b bytes per value (b = 4 in fp32; this lesson runs the CPU in
 fp64, b = 8, so that later lessons can compare ranks to the last bit):
