@@ -1091,37 +1091,34 @@ def run(cmd: list[str], cwd: Path, timeout: float, during=None) -> tuple[int | N
     return rc, out, err, end - t0, end - fault[0] if fault else None
 
 
+# The waiting ranks' lines of a case that stops a rank, by its expect: the pattern every line matches, whether
+# every waiting rank says it (else one at least: the stop's moment, which the load decides, says who notices),
+# and whether each names case.names
+WATCH_LINES = {
+    "watchdog": (re.compile(r"^rank \d+: error: collective watchdog: \w+ #\d+ at step \d+ .*: .*rank \d+ \(.*\) "
+                            r"did not arrive$"), True, True),
+    # a stop before or after MPI_Init
+    "either-watchdog": (re.compile(r"^rank \d+: error: collective watchdog: .*: .*rank \d+ \(.*\) did not arrive$"),
+                        False, False),
+    "startup": (re.compile(r"^rank \d+: error: collective watchdog: MPI's start-up \(MPI_Init\) did not complete "
+                           r"within --collective-timeout \S+ s: .*rank \d+ \(.*\) did not arrive$"), False, True),
+}
+
+
 def judge_fault(case: Case, rc: int, err_lines: list[str], took: float | None) -> tuple[str, str]:
     """The faults made while a job runs: watchdog, ends, signal (see the module docstring)."""
     if took is None:
         return "WRONG", "the job ended before the fault was made"
     if took > case.bound:
         return "HANG", f"ended {took:.1f} s after the fault, beyond {case.bound:g} s"
-    if case.expect == "watchdog":
-        pattern = re.compile(r"^rank \d+: error: collective watchdog: \w+ #\d+ at step \d+ .*: .*rank \d+ \(.*\) "
-                             r"did not arrive$")
+    if case.expect in WATCH_LINES:
+        pattern, every, named = WATCH_LINES[case.expect]
         if rc != TIMEOUT_EXIT:
             return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
-        if len(err_lines) != case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
+        said = len(err_lines) == case.ranks - 1 if every else 1 <= len(err_lines) <= case.ranks - 1
+        if not said or not all(pattern.match(line) for line in err_lines):
             return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
-        if not all(re.search(case.names, line) for line in err_lines):
-            return "WRONG", f"the line does not say /{case.names}/: {err_lines[0]}"
-        return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
-    if case.expect == "either-watchdog":       # a stop whose moment the load decides: before or after MPI_Init
-        pattern = re.compile(r"^rank \d+: error: collective watchdog: .*: .*rank \d+ \(.*\) did not arrive$")
-        if rc != TIMEOUT_EXIT:
-            return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
-        if not 1 <= len(err_lines) <= case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
-            return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
-        return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
-    if case.expect == "startup":
-        pattern = re.compile(r"^rank \d+: error: collective watchdog: MPI's start-up \(MPI_Init\) did not complete "
-                             r"within --collective-timeout \S+ s: .*rank \d+ \(.*\) did not arrive$")
-        if rc != TIMEOUT_EXIT:
-            return "WRONG", f"exit {rc}, not {TIMEOUT_EXIT}: {err_lines[-1] if err_lines else '(no line)'}"
-        if not 1 <= len(err_lines) <= case.ranks - 1 or not all(pattern.match(line) for line in err_lines):
-            return "MULTILINE", f"{len(err_lines)} lines from {case.ranks - 1} waiting ranks: {err_lines[:1]}"
-        if not all(re.search(case.names, line) for line in err_lines):
+        if named and not all(re.search(case.names, line) for line in err_lines):
             return "WRONG", f"the line does not say /{case.names}/: {err_lines[0]}"
         return "OK", f"{took:.1f} s after the stop: {err_lines[0]}"
     if case.expect == "ends":
@@ -1143,7 +1140,7 @@ def judge(case: Case, rc: int | None, out: str, err: str, problems: list[str],
         last = [line for line in (out + err).splitlines() if line.strip()]
         return "TRACEBACK", last[-1] if last else ""
     err_lines = [line for line in err.splitlines() if line.strip()]
-    if case.expect in ("watchdog", "ends", "signal", "startup", "either-watchdog"):
+    if case.expect in ("ends", "signal", *WATCH_LINES):
         cls, what = judge_fault(case, rc, err_lines, took)
         return ("WRONG", "; ".join(problems)) if cls == "OK" and problems else (cls, what)
     started = any(STARTED.match(line) for line in out.splitlines())
@@ -1184,7 +1181,7 @@ def run_case(case: Case, root: Path, n: int, timeout: float) -> tuple[str, str, 
            for a in case.argv]
     rc, out, err, secs, took = run(cmd, d, case.timeout or timeout, case.during)
     # a rank stopped then killed (watchdog, ends) may leave the temporary file it was writing: never a final name
-    always = [] if case.expect in ("watchdog", "ends", "startup", "either-watchdog") else [no_tmp_files]
+    always = [] if case.expect in ("ends", *WATCH_LINES) else [no_tmp_files]
     problems = [p for check in case.checks + always for p in [check(d)] if p]
     problems += [p for p in [all_saved_finite(d, case.planted)] if p]
     if rc == 0:
