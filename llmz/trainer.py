@@ -56,16 +56,17 @@ def fresh_start(cfg: TrainConfig, kind: str, tok, world_size: int) -> Start:
 class Trainer:
     """One rank's training, built from `cfg` (TrainConfig.for_device filled in) on a resolved device `kind`,
     from `start` (default: fresh_start). make_stage builds its ZeRO stage: llmz.zero's, or in the lessons
-    their plain twin's (llmz.plain)."""
+    their plain twin's (llmz.plain). tok: cfg's tokenizer where the caller has loaded it already."""
 
-    def __init__(self, cfg: TrainConfig, kind: str, ranks, start: Start | None = None, make_stage=make_stage):
+    def __init__(self, cfg: TrainConfig, kind: str, ranks, start: Start | None = None, make_stage=make_stage,
+                 tok=None):
         self.cfg, self.ranks = cfg, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.precision = PRECISIONS[cfg.precision]
         self.dev = Device(kind, self.precision, gpu_index=ranks.local_rank, matmul=cfg.matmul,
                           attention=cfg.attention, tf32=not cfg.no_tf32, kernel_set=cfg.kernels)
         self.comm = make_communicator(cfg.comm, ranks, self.dev)
-        self.tok = load_tokenizer(cfg.tokenizer)
+        self.tok = tok or load_tokenizer(cfg.tokenizer)
         config, self.layout, params, step = start or fresh_start(cfg, kind, self.tok, self.world_size)
         B, T, V = cfg.batch_size, cfg.seq_len, config.vocab_size
         self.train_loader = DataLoader(cfg.train_data, B, T, self.rank, self.world_size, shuffle=cfg.shuffle,

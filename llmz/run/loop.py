@@ -41,8 +41,9 @@ class Run(Trainer):
         notes: list[str] = []
         resumed = checkpoints.find(cfg, ranks, notes)
         run_id = run_identity(resumed, ranks)                       # kept across resumes (a collective)
-        start = checkpoints.start(cfg, kind, load_tokenizer(cfg.tokenizer), ranks.world_size, resumed)
-        super().__init__(cfg, kind, ranks, start)
+        tok = load_tokenizer(cfg.tokenizer)
+        start = checkpoints.start(cfg, kind, tok, ranks.world_size, resumed)
+        super().__init__(cfg, kind, ranks, start, tok=tok)
         self.notes, self.resumed, self.run_id = notes, resumed, run_id
         # the resumed checkpoint's data, where it names the same file
         self.notes += checkpoints.check_data(cfg, resumed, self.data)
