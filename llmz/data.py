@@ -27,7 +27,6 @@ from .files import (
     check_size,
     open_regular,
     read_array,
-    read_bytes,
     read_header,
 )
 
@@ -51,7 +50,8 @@ def write_tokens(path: str, tokens) -> None:
 
 
 def _open_tokens(path: str):
-    """Open a token file and check its header against its size -> (file positioned at the tokens, count)."""
+    """Open a token file and check its header against its size -> (file positioned at the tokens, count, the
+    header's bytes)."""
     f, raw, size = read_header(path, "token file")
     try:
         header = check_header(path, raw, TOKENS_MAGIC, "an llm.c token file")
@@ -64,12 +64,12 @@ def _open_tokens(path: str):
     except BaseException:
         f.close()
         raise
-    return f, ntok
+    return f, ntok, raw
 
 
 def token_count(path: str) -> int:
     """The number of tokens of an llm.c token file, from its header checked against its size (reads no token)."""
-    f, ntok = _open_tokens(path)
+    f, ntok, _ = _open_tokens(path)
     f.close()
     return ntok
 
@@ -78,11 +78,10 @@ def read_tokens(path: str, vocab_size: int | None = None, hasher=None) -> np.nda
     """Read an llm.c token file -> uint16 array, checking magic, version, count and exact size (header
     against fstat, before reading a token) and (if vocab_size is given) that every token is < vocab_size.
     hasher (a hashlib object): updated with every byte of the file, header first, as it is read."""
-    f, ntok = _open_tokens(path)
+    f, ntok, header = _open_tokens(path)
     with f:
         if hasher is not None:
-            f.seek(0)
-            hasher.update(read_bytes(f, HEADER_BYTES, path, "token file"))
+            hasher.update(header)
         tokens = read_array(f, "<u2", ntok, path, "token file", hasher).astype(np.uint16, copy=False)
     if vocab_size is not None and ntok:
         bad = np.flatnonzero(tokens >= vocab_size)
