@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import inspect
 import os
 import socket
 import sys
@@ -189,7 +190,6 @@ def stage_diff(before: str, after: str) -> str:
     """Each plain stage is the one before with some parts replaced (a subclass: llmz/plain/step.py's docstring).
     The unified diff of those parts: on the old side each part as lesson `before`'s stage has it (its own, or
     inherited), on the new side lesson `after`'s class as its file writes it."""
-    import inspect
     old, new = (getattr(importlib.import_module(f"llmz.plain.{PLAIN[n][0]}"), PLAIN[n][1]) for n in (before, after))
     mine = [k for k, v in vars(new).items() if inspect.isfunction(v)]
     had = [inspect.getsource(getattr(old, k)) for k in mine if inspect.isfunction(getattr(old, k, None))]

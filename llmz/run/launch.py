@@ -84,27 +84,24 @@ class RankInfo:
         return MPI.COMM_WORLD.allgather(obj)
 
 
+def _launcher_says(names: tuple[str, ...], default: int | None, env=os.environ) -> int | None:
+    """The number in the first of the launcher's variables `names` that an environment (this process's, or
+    another's: _environ) sets."""
+    return next((int(env[v]) for v in names if env.get(v, "").isdecimal()), default)
+
+
 def _launcher_world_size() -> int:
-    for var in _LAUNCHER_SIZE_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
+    return _launcher_says(_LAUNCHER_SIZE_VARS, 1)
 
 
 def _launcher_rank() -> int:
     """This process's rank as the launcher set it in the environment (before MPI is up); 0 without one."""
-    for var in _LAUNCHER_RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+    return _launcher_says(_LAUNCHER_RANK_VARS, 0)
 
 
 def _launcher_local_size() -> int | None:
     """How many ranks the launcher starts on this host (None: it does not say)."""
-    for var in _LAUNCHER_LOCAL_SIZE_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+    return _launcher_says(_LAUNCHER_LOCAL_SIZE_VARS, None)
 
 
 def file_size_limit(pid: int | None = None) -> int | None:
@@ -213,20 +210,18 @@ def _parents() -> dict[int, int]:
     return parent
 
 
-def _environ(pid: int) -> dict[bytes, bytes] | None:
+def _environ(pid: int) -> dict[str, str]:
+    """Process pid's environment ({} where it cannot be read)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            return dict(os.fsdecode(e).split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
     except OSError:
-        return None
+        return {}
 
 
-def _rank_in(env: dict | None) -> int | None:
+def _rank_in(env: dict) -> int | None:
     """The launcher's rank in a process's environment (None: not a rank)."""
-    for v in _LAUNCHER_RANK_VARS:
-        if env and env.get(v.encode(), b"").isdigit():
-            return int(env[v.encode()])
-    return None
+    return _launcher_says(_LAUNCHER_RANK_VARS, None, env)
 
 
 def rank_pids(launcher_pid: int, parent: dict[int, int] | None = None) -> dict[int, int]:
@@ -280,11 +275,7 @@ def local_ranks() -> dict[int, int]:
 
 
 def _size_in(pid: int) -> int | None:
-    env = _environ(pid) or {}
-    for v in _LAUNCHER_SIZE_VARS:
-        if env.get(v.encode(), b"").isdigit():
-            return int(env[v.encode()])
-    return None
+    return _launcher_says(_LAUNCHER_SIZE_VARS, None, _environ(pid))
 
 
 def _same_python(pid: int) -> bool:
